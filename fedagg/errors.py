@@ -1,0 +1,128 @@
+"""Exception hierarchy for fedagg.
+
+Every error fedagg raises on purpose derives from :class:`FedaggError`, so callers can catch
+one base class. Errors about bad input say four things: the field, the bad value, the rule it
+broke and how to fix it (see :func:`explain`). Errors from cryptographic verification are
+deliberately opaque: they say *that* verification failed, never *why*.
+
+::
+
+    FedaggError
+     ├── ConfigError            (also ValueError)   bad configuration value / combination
+     ├── DataError              (also ValueError)   missing or malformed data set files
+     ├── RegistryError          (also KeyError)     unknown strategy / compressor name
+     ├── CodecError             (also ValueError)   malformed compressed payload on the wire
+     ├── UpdateRejected         (also ValueError)   a site update failed a server-side check
+     ├── CollectiveError                            intra-site all-reduce failures
+     │    └── CollectiveTimeout (also TimeoutError) a peer did not answer in time
+     ├── ProtocolError                              secure-aggregation protocol failures
+     │    ├── AbortRound                            the round cannot complete (too few survivors)
+     │    └── VerificationError                     tampered / forged data (opaque message)
+     ├── WorkerError                                a local worker of a site crashed or hung
+     └── CheckpointError                            unreadable or mismatched checkpoint
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AbortRound",
+    "CheckpointError",
+    "CodecError",
+    "CollectiveError",
+    "CollectiveTimeout",
+    "ConfigError",
+    "DataError",
+    "FedaggError",
+    "ProtocolError",
+    "RegistryError",
+    "UpdateRejected",
+    "VerificationError",
+    "WorkerError",
+    "explain",
+]
+
+
+def explain(field: str, value: object, rule: str, fix: str) -> str:
+    """Format the standard four-part message: field, value, rule, fix.
+
+    Parameters
+    ----------
+    field : str
+        Dotted name of the offending field (``"secagg.threshold"``).
+    value : object
+        The value that was given. Never pass secret material here.
+    rule : str
+        The rule that the value broke (``"must be >= 2"``).
+    fix : str
+        What the user should do instead.
+
+    Returns
+    -------
+    str
+        ``"<field> = <value!r>: <rule>. Fix: <fix>"``.
+    """
+    shown = repr(value)
+    if len(shown) > 200:
+        shown = shown[:197] + "..."
+    return f"{field} = {shown}: {rule}. Fix: {fix}"
+
+
+class FedaggError(Exception):
+    """Base class of every error fedagg raises on purpose."""
+
+
+class ConfigError(FedaggError, ValueError):
+    """A configuration value or combination is invalid."""
+
+
+class DataError(FedaggError, ValueError):
+    """A data set is missing, unreadable or malformed."""
+
+
+class RegistryError(FedaggError, KeyError):
+    """A name was not found in a registry; the message lists the known names."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class CodecError(FedaggError, ValueError):
+    """A compressed payload is malformed (bad header, length, index or value)."""
+
+
+class UpdateRejected(FedaggError, ValueError):
+    """A site update failed a server-side check and was not aggregated."""
+
+
+class CollectiveError(FedaggError):
+    """An intra-site collective operation failed (mismatched inputs, broken peer)."""
+
+
+class CollectiveTimeout(CollectiveError, TimeoutError):
+    """A peer did not send or receive within the communicator's timeout."""
+
+
+class ProtocolError(FedaggError):
+    """The secure-aggregation protocol cannot proceed as asked."""
+
+
+class AbortRound(ProtocolError):
+    """The round must abort (for example fewer than ``threshold`` survivors).
+
+    The global model is left unchanged; the run continues with the next round.
+    """
+
+
+class VerificationError(ProtocolError):
+    """Authenticated data failed verification. The message is deliberately opaque."""
+
+    def __init__(self, message: str = "verification failed") -> None:
+        super().__init__(message)
+
+
+class WorkerError(FedaggError):
+    """A local worker of a site crashed, hung or reported an error."""
+
+
+class CheckpointError(FedaggError):
+    """A checkpoint is unreadable, incomplete, or belongs to a different configuration."""
