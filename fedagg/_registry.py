@@ -127,7 +127,9 @@ class Registry(Generic[T]):
             try:
                 obj = ep.load()
             except Exception as exc:  # a broken plugin must not break the registry
-                _log.warning("could not load %s plugin %r (%s): %s", self.kind, ep.name, ep.value, exc)
+                _log.warning(
+                    "could not load %s plugin %r (%s): %s", self.kind, ep.name, ep.value, exc
+                )
                 continue
             dist = getattr(getattr(ep, "dist", None), "name", "?")
             self._items[key] = obj

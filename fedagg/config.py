@@ -1,0 +1,435 @@
+"""Run configuration: pydantic models, one TOML file, ``key=value`` overrides.
+
+One :class:`RunConfig` describes a whole run. It is read from a TOML file whose tables are the
+sections below (``[run]``, ``[data]``, ``[model]``, ``[train]``, ``[strategy]``, ``[site]``,
+``[compression]``, ``[secagg]``, ``[simulation]``), overridden by dotted ``key=value`` pairs
+(``train.lr=0.05``), and validated with ``extra="forbid"``. Every validation error is turned
+into a :class:`~fedagg.errors.ConfigError` naming the field, the bad value, the rule and the fix.
+
+The same model is used by ``fedagg simulate``, by the ServerApp (from Flower's flattened run
+config, ``[tool.flwr.app.config]`` in ``pyproject.toml``) and, for the site-side sections, by the
+ClientApp. The reference page docs/configuration.md is generated from these models
+(:func:`reference_markdown`) and a test keeps it in sync.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import tomllib
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from fedagg.errors import ConfigError, explain
+
+__all__ = [
+    "CompressionConfig",
+    "DataConfig",
+    "ModelConfig",
+    "RunConfig",
+    "RunSection",
+    "SecAggConfig",
+    "SimulationConfig",
+    "SiteConfig",
+    "StrategyConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "config_hash",
+    "flatten",
+    "format_validation_error",
+    "load_config",
+    "parse_value",
+    "reference_markdown",
+    "unflatten",
+    "validate_model",
+]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class RunSection(_Section):
+    """Run-wide settings."""
+
+    name: str = Field("fedagg", description="Run name, used in the run directory name.")
+    rounds: int = Field(10, ge=1, le=100_000, description="Number of federated rounds.")
+    sites: int = Field(
+        10, ge=1, le=10_000, description="Number of sites (simulation: virtual SuperNodes)."
+    )
+    seed: int = Field(
+        0, ge=0, description="Seed for data partitioning, model init and training order."
+    )
+    fraction_train: float = Field(
+        1.0, gt=0.0, le=1.0, description="Fraction of sites sampled per round."
+    )
+    min_sites: int = Field(
+        1, ge=1, description="Fewer replying sites than this aborts the round (model unchanged)."
+    )
+    round_timeout: float = Field(
+        600.0, gt=0, description="Seconds to wait for site replies per exchange."
+    )
+    output_dir: str = Field("runs", description="Directory under which runs/<id>/ is written.")
+    evaluate_every: int = Field(
+        1, ge=1, description="Centralized evaluation every N rounds (and the last)."
+    )
+
+
+class DataConfig(_Section):
+    """Data set and partitioning."""
+
+    dataset: Literal["digits", "fashion-mnist"] = Field("digits", description="Data set name.")
+    data_dir: str | None = Field(
+        None,
+        description="Fashion-MNIST IDX directory (default $FEDAGG_DATA_DIR or /usr/share/datasets/fashion-mnist).",
+    )
+    partitioner: Literal["iid", "dirichlet"] = Field(
+        "dirichlet", description="How examples are split across sites."
+    )
+    dirichlet_alpha: float = Field(
+        0.5, gt=0, description="Dirichlet concentration (smaller = more label skew)."
+    )
+    min_partition_size: int = Field(10, ge=1, description="Minimum examples per site.")
+    test_fraction: float = Field(
+        0.2, gt=0, lt=1, description="Held-out share of digits for centralized evaluation."
+    )
+    max_train_examples: int | None = Field(
+        None, ge=1, description="Use only the first N training examples (quick runs)."
+    )
+
+
+class ModelConfig(_Section):
+    """Model architecture."""
+
+    name: Literal["mlp", "cnn", "logreg"] = Field("mlp", description="Reference model name.")
+
+
+class TrainConfig(_Section):
+    """Local training at each site."""
+
+    local_epochs: int = Field(1, ge=1, le=1000, description="Local epochs per round.")
+    batch_size: int = Field(32, ge=1, description="Mini-batch size (global batch of the site).")
+    lr: float = Field(0.1, gt=0, le=100, description="Local SGD learning rate.")
+    momentum: float = Field(0.0, ge=0, lt=1, description="Local SGD momentum.")
+
+
+class StrategyConfig(_Section):
+    """Server-side aggregation strategy."""
+
+    name: str = Field(
+        "fedavg", description="Strategy name from the registry (built-ins or plugins)."
+    )
+    server_optimizer: Literal["none", "sgd", "momentum", "adam"] = Field(
+        "none", description="Optimizer applied to the aggregated delta (FedOpt, Reddi et al. 2021)."
+    )
+    server_lr: float = Field(1.0, gt=0, description="Server learning rate on the aggregated delta.")
+    server_momentum: float = Field(
+        0.9, ge=0, lt=1, description="Momentum / beta1 of the server optimizer."
+    )
+    max_update_norm: float | None = Field(
+        None, gt=0, description="Reject site updates whose delta L2 norm exceeds this."
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Options for a plugin strategy, validated by its own config model.",
+    )
+
+
+class SiteConfig(_Section):
+    """Local workers of each site (intra-site data parallelism)."""
+
+    workers: int = Field(1, ge=1, le=512, description="Local workers per site.")
+    mode: Literal["inprocess", "process"] = Field(
+        "inprocess",
+        description="Workers as threads in the ClientApp, or real torch.distributed processes.",
+    )
+    algorithm: Literal["auto", "ring", "tree", "hierarchical", "native"] = Field(
+        "auto", description="Intra-site all-reduce algorithm."
+    )
+    bucket_mb: float = Field(
+        25.0, gt=0, description="Gradient bucket size in MB (overlap with backward)."
+    )
+    accumulation_steps: int = Field(
+        1, ge=1, description="Micro-batches per all-reduce (gradient accumulation)."
+    )
+    comm_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Dtype of gradients on the wire."
+    )
+    overlap: bool = Field(True, description="Start each bucket's all-reduce during backward.")
+    worker_timeout: float = Field(
+        300.0, gt=0, description="Seconds before a silent worker is declared hung."
+    )
+
+
+class CompressionConfig(_Section):
+    """Upward / downward update compression."""
+
+    up: str = Field(
+        "none",
+        description="Upward compressor spec, e.g. 'topk:0.01+ef+int8' (see docs/compression.md).",
+    )
+    down: Literal["none", "fp16", "bf16"] = Field("none", description="Downward model compression.")
+    support: Literal["own", "random", "block", "topk-aggregate"] = Field(
+        "own", description="Sparse support: 'own' reveals per-site indices; the others are public."
+    )
+
+
+class SecAggConfig(_Section):
+    """Secure aggregation (used by the 'secure' strategy)."""
+
+    threshold: float = Field(
+        0.5,
+        gt=0,
+        description="Shamir threshold t: an int >= 2, or a fraction of the neighbourhood size.",
+    )
+    neighbours: int | None = Field(
+        None,
+        ge=1,
+        description="Neighbours per site (k-regular graph); None = all (classic SecAgg).",
+    )
+    clip: float = Field(
+        8.0, gt=0, description="Each (weighted) value is clipped to [-clip, clip] before encoding."
+    )
+    frac_bits: int = Field(16, ge=1, le=30, description="Fixed-point fractional bits.")
+    timeout: float = Field(120.0, gt=0, description="Seconds per secure-aggregation exchange.")
+
+
+class SimulationConfig(_Section):
+    """Flower simulation engine resources."""
+
+    num_cpus: float = Field(1.0, gt=0, description="CPUs reserved per simulated ClientApp (Ray).")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs reserved per simulated ClientApp.")
+
+
+class RunConfig(_Section):
+    """The whole run configuration."""
+
+    run: RunSection = Field(default_factory=RunSection)  # type: ignore[arg-type]
+    data: DataConfig = Field(default_factory=DataConfig)  # type: ignore[arg-type]
+    model: ModelConfig = Field(default_factory=ModelConfig)  # type: ignore[arg-type]
+    train: TrainConfig = Field(default_factory=TrainConfig)  # type: ignore[arg-type]
+    strategy: StrategyConfig = Field(default_factory=StrategyConfig)  # type: ignore[arg-type]
+    site: SiteConfig = Field(default_factory=SiteConfig)  # type: ignore[arg-type]
+    compression: CompressionConfig = Field(default_factory=CompressionConfig)  # type: ignore[arg-type]
+    secagg: SecAggConfig = Field(default_factory=SecAggConfig)  # type: ignore[arg-type]
+    simulation: SimulationConfig = Field(default_factory=SimulationConfig)  # type: ignore[arg-type]
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RunConfig:
+        if self.run.min_sites > self.run.sites:
+            raise ValueError(
+                f"run.min_sites ({self.run.min_sites}) must be <= run.sites ({self.run.sites}); "
+                "lower run.min_sites or add sites"
+            )
+        return self
+
+
+_FIXES: dict[str, str] = {
+    "extra_forbidden": "remove it, or check the spelling against docs/configuration.md",
+    "literal_error": "use one of the allowed values",
+    "missing": "add it",
+}
+
+
+def format_validation_error(exc: ValidationError, *, prefix: str = "") -> str:
+    """Turn a pydantic error into fedagg's one-line-per-problem field/value/rule/fix text."""
+    lines = []
+    for err in exc.errors():
+        field = (
+            prefix + ".".join(str(p) for p in err["loc"])
+            if err["loc"]
+            else prefix.rstrip(".") or "config"
+        )
+        rule = err["msg"]
+        if err["type"] == "extra_forbidden":
+            rule = "is not a known setting"
+        fix = _FIXES.get(err["type"], "give a value that satisfies the rule")
+        if err["type"].startswith(("greater", "less")):
+            fix = "choose a value in the allowed range"
+        if err["type"] == "value_error":
+            rule = rule.removeprefix("Value error, ")
+            fix = "see the rule"
+        lines.append(explain(field, err.get("input"), rule, fix))
+    return "\n".join(lines)
+
+
+def validate_model(model: type[BaseModel], data: Mapping[str, Any], *, prefix: str = "") -> Any:
+    """Validate ``data`` against ``model``; raise :class:`ConfigError` with a clear message."""
+    try:
+        return model.model_validate(dict(data))
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, prefix=prefix)) from None
+
+
+def parse_value(text: str) -> Any:
+    """Parse an override value as TOML (numbers, booleans, strings, lists); fall back to str."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dict -> ``{"section.key": value}``."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and key != "options":
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"section.key": value}`` -> nested dict; dashes in keys become underscores."""
+    out: dict[str, Any] = {}
+    for dotted, value in flat.items():
+        parts = [p.replace("-", "_") for p in dotted.split(".")]
+        node = out
+        for p in parts[:-1]:
+            child = node.setdefault(p, {})
+            if not isinstance(child, dict):
+                raise ConfigError(
+                    explain(
+                        dotted,
+                        value,
+                        f"'{p}' is a value, not a table",
+                        "remove one of the two conflicting keys",
+                    )
+                )
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """Apply ``section.key=value`` overrides to a nested dict (returns a new dict)."""
+    merged: dict[str, Any] = json.loads(json.dumps(dict(data)))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(
+                explain(
+                    "override",
+                    item,
+                    "must look like section.key=value",
+                    "write e.g. -c train.lr=0.05",
+                )
+            )
+        key, text = item.split("=", 1)
+        parts = [p.strip().replace("-", "_") for p in key.strip().split(".")]
+        if len(parts) < 2 or not all(parts):
+            raise ConfigError(
+                explain(
+                    "override",
+                    item,
+                    "the key must name a section and a field",
+                    "write e.g. -c run.rounds=5",
+                )
+            )
+        node = merged
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(
+                    explain(
+                        "override",
+                        item,
+                        f"'{p}' is not a section",
+                        "check the key against docs/configuration.md",
+                    )
+                )
+        node[parts[-1]] = parse_value(text.strip())
+    return merged
+
+
+def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> RunConfig:
+    """Read a TOML file (optional), apply overrides, validate.
+
+    Raises
+    ------
+    ConfigError
+        Unreadable file, bad TOML, unknown keys or out-of-range values.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(
+                explain(
+                    "--config", str(p), "does not exist", "give the path of an existing TOML file"
+                )
+            ) from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(
+                explain(
+                    "--config",
+                    str(p),
+                    f"is not valid TOML ({exc})",
+                    "fix the TOML syntax at the position shown",
+                )
+            ) from None
+    data = apply_overrides(data, overrides)
+    result: RunConfig = validate_model(RunConfig, data)
+    return result
+
+
+def config_hash(
+    cfg: RunConfig, *, exclude: Iterable[str] = ("run.rounds", "run.output_dir", "run.name")
+) -> str:
+    """SHA-256 of the canonical JSON of everything that changes results (for resume checks)."""
+    flat = flatten(cfg.model_dump(mode="json"))
+    for key in exclude:
+        flat.pop(key, None)
+    return hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()
+
+
+_OPS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+
+
+def _rule_text(meta: object) -> str:
+    for attr, op in _OPS.items():
+        if hasattr(meta, attr):
+            return f"{op} {getattr(meta, attr)}"
+    return str(meta)
+
+
+def reference_markdown() -> str:
+    """The configuration reference (docs/configuration.md), generated from the models."""
+    lines = [
+        "# Configuration reference",
+        "",
+        "<!-- Generated by fedagg.config.reference_markdown(); tests/test_config.py keeps it in sync. -->",
+        "",
+        "One TOML file (`fedagg simulate --config run.toml`), tables as below; override any key with",
+        "`-c section.key=value`. Unknown keys are errors. In `pyproject.toml`",
+        "(`[tool.flwr.app.config]`, used by `flwr run .`) the same keys are written with dots,",
+        'e.g. `"train.lr" = 0.1`; dashes and underscores are interchangeable.',
+        "",
+    ]
+    for name, field in RunConfig.model_fields.items():
+        section = field.annotation
+        if not isinstance(section, type) or not issubclass(section, BaseModel):
+            continue
+        lines += [
+            f"## `[{name}]`",
+            "",
+            (section.__doc__ or "").strip(),
+            "",
+            "| key | type | default | description |",
+            "|---|---|---|---|",
+        ]
+        for key, f in section.model_fields.items():
+            ann = str(f.annotation).replace("typing.", "").replace("|", "\\|")
+            ann = ann.replace("<class '", "").replace("'>", "")
+            default = f.get_default(call_default_factory=True)
+            rules = ", ".join(_rule_text(m) for m in f.metadata)
+            desc = (f.description or "") + (f" ({rules})" if rules else "")
+            lines.append(f"| `{key}` | `{ann}` | `{json.dumps(default)}` | {desc} |")
+        lines.append("")
+    return "\n".join(lines)
