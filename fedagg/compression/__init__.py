@@ -1,0 +1,72 @@
+"""Compressed site updates: sparsifiers, quantizers, error feedback, a versioned wire codec.
+
+Flower-free core (numpy only). Site side::
+
+    from fedagg.compression import ErrorFeedback, TopK, Int8, Chain, codec
+    enc = ErrorFeedback(Chain(TopK(0.01), Int8()))
+    enc.load_state_dict(saved)                 # residual from the previous round ({} at first)
+    data = codec.encode(enc.compress(delta, rng=rng))
+    saved = enc.state_dict()
+
+Server side::
+
+    update = codec.decode(data).to_dense()      # list of float32 arrays
+
+Or from a spec: ``build_compressor("topk:0.01+ef+int8")``. Supports shared by all sites
+(for secure aggregation, no index bytes) live in :mod:`fedagg.compression.support`.
+See ``docs/compression.md``.
+"""
+
+from __future__ import annotations
+
+from fedagg.compression import codec
+from fedagg.compression.base import Chain, Compressor, Identity, Quantizer, reveals_indices
+from fedagg.compression.error_feedback import ErrorFeedback
+from fedagg.compression.payload import (
+    FORMAT_VERSION,
+    Payload,
+    TensorPayload,
+    WireDType,
+    bf16_bits_to_float32,
+    float32_to_bf16_bits,
+)
+from fedagg.compression.quantize import BF16, FP16, Int8
+from fedagg.compression.spec import StageContext, StageFactory, build_compressor, registry
+from fedagg.compression.support import (
+    SharedSupport,
+    block_support,
+    find_shared_support,
+    random_support,
+    topk_of_aggregate,
+)
+from fedagg.compression.topk import RandomK, TopK
+
+__all__ = [
+    "BF16",
+    "FORMAT_VERSION",
+    "FP16",
+    "Chain",
+    "Compressor",
+    "ErrorFeedback",
+    "Identity",
+    "Int8",
+    "Payload",
+    "Quantizer",
+    "RandomK",
+    "SharedSupport",
+    "StageContext",
+    "StageFactory",
+    "TensorPayload",
+    "TopK",
+    "WireDType",
+    "bf16_bits_to_float32",
+    "block_support",
+    "build_compressor",
+    "codec",
+    "find_shared_support",
+    "float32_to_bf16_bits",
+    "random_support",
+    "registry",
+    "reveals_indices",
+    "topk_of_aggregate",
+]

@@ -1,0 +1,397 @@
+"""Compressor specs (``"topk:0.01+ef+int8"``) and the compressor registry.
+
+Grammar::
+
+    spec   := stage ("+" stage)*
+    stage  := name [":" arg ("," arg)*]
+    arg    := value | key "=" value
+
+At most one *sparsifier* (``none``, ``topk``, ``randk``, ``shared``, ``block``, ``aggtopk``
+or a plugin compressor) comes first, then at most one *quantizer* (``fp16``, ``bf16``,
+``int8`` or a plugin quantizer). ``ef`` may appear once, anywhere, and wraps the whole
+pipeline in :class:`~fedagg.compression.error_feedback.ErrorFeedback`. Names are
+case-insensitive; ``_`` and ``-`` are the same. See ``docs/compression.md`` for every stage.
+
+Plugins register a factory in the entry-point group ``fedagg.compressors``. A factory takes a
+:class:`StageContext` and returns a compressor (has ``compress``) or a quantizer (has
+``quantize``); it raises ``ctx.error(rule, fix)`` on bad arguments.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from fedagg._registry import Registry
+from fedagg.compression.base import Chain, Compressor, Identity, Quantizer
+from fedagg.compression.error_feedback import ErrorFeedback
+from fedagg.compression.quantize import BF16, FP16, Int8
+from fedagg.compression.support import (
+    SharedSupport,
+    block_support,
+    random_support,
+    topk_of_aggregate,
+)
+from fedagg.compression.topk import RandomK, TopK, k_from_ratio
+from fedagg.errors import ConfigError, RegistryError, explain
+
+__all__ = ["StageContext", "StageFactory", "build_compressor", "registry"]
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """What a stage factory gets: its arguments plus the public round context.
+
+    Attributes
+    ----------
+    spec : str
+        The whole spec (for messages).
+    part : str
+        This stage's text, e.g. ``"topk:0.01,global"``.
+    name : str
+        The normalized stage name.
+    args : tuple of str
+        Positional arguments.
+    kwargs : dict of str to str
+        ``key=value`` arguments.
+    seed : bytes or None
+        Public seed of the federation (shared supports, seeded random-k).
+    round : int or None
+        Current round.
+    previous_aggregate : ndarray or None
+        Previous round's public aggregate, flattened (``aggtopk``).
+    """
+
+    spec: str
+    part: str
+    name: str
+    args: tuple[str, ...] = ()
+    kwargs: dict[str, str] = field(default_factory=dict)
+    seed: bytes | None = None
+    round: int | None = None
+    previous_aggregate: NDArray[Any] | None = None
+
+    def error(self, rule: str, fix: str) -> ConfigError:
+        """A :class:`~fedagg.errors.ConfigError` naming the spec, this part, rule and fix."""
+        return ConfigError(explain(f"compression spec {self.spec!r}, part", self.part, rule, fix))
+
+    def expect(self, positional: int, keys: set[str]) -> None:
+        """Reject more than ``positional`` positional args or keys outside ``keys``."""
+        if len(self.args) > positional:
+            raise self.error(
+                f"takes at most {positional} positional argument(s)", _FIXES[self.name]
+            )
+        bad = sorted(set(self.kwargs) - keys)
+        if bad:
+            raise self.error(f"unknown option(s) {bad}; known: {sorted(keys)}", _FIXES[self.name])
+
+    def number(self, text: str, what: str) -> float:
+        """Parse a finite float."""
+        try:
+            x = float(text)
+        except ValueError:
+            raise self.error(f"{what} {text!r} is not a number", _FIXES[self.name]) from None
+        if not math.isfinite(x):
+            raise self.error(f"{what} must be finite", _FIXES[self.name])
+        return x
+
+    def ratio(self, text: str) -> float:
+        """Parse a ratio in [0, 1]."""
+        x = self.number(text, "ratio")
+        if not 0.0 <= x <= 1.0:
+            raise self.error(f"ratio {text} must be in [0, 1]", _FIXES[self.name])
+        return x
+
+    def count(self, text: str, what: str = "k") -> int:
+        """Parse a non-negative integer."""
+        if not text.isdigit():
+            raise self.error(f"{what} {text!r} must be a non-negative integer", _FIXES[self.name])
+        return int(text)
+
+    def public(self) -> tuple[bytes, int]:
+        """The public ``(seed, round)``, or a ConfigError when the caller did not pass them."""
+        if self.seed is None or self.round is None:
+            raise self.error(
+                "needs the public seed and round",
+                "call build_compressor(spec, seed=<public bytes>, round=<round number>)",
+            )
+        return self.seed, self.round
+
+
+StageFactory = Callable[[StageContext], Any]
+"""A stage factory: ``StageContext -> Compressor | Quantizer``."""
+
+registry: Registry[StageFactory] = Registry("compressor", group="fedagg.compressors")
+"""Stage names -> factories. Plugins: entry-point group ``fedagg.compressors``."""
+
+_FIXES: dict[str, str] = {
+    "none": "write 'none' alone",
+    "topk": "e.g. 'topk:0.01', 'topk:k=1000', 'topk:0.01,global'",
+    "randk": "e.g. 'randk:0.01' (private indices) or 'randk:0.01,shared'",
+    "shared": "e.g. 'shared:0.01'",
+    "block": "e.g. 'block:0.01'",
+    "aggtopk": "e.g. 'aggtopk:0.01' or 'aggtopk:0.01,random=0.2'",
+    "fp16": "write 'fp16' without arguments",
+    "bf16": "write 'bf16' without arguments",
+    "int8": "e.g. 'int8', 'int8:256', 'int8:chunk=128,nearest'",
+}
+
+
+def _amount(ctx: StageContext) -> tuple[float | None, int | None]:
+    """Ratio (a value with '.' or 'e') or k (an integer) from args/kwargs."""
+    if "ratio" in ctx.kwargs and "k" in ctx.kwargs:
+        raise ctx.error("give ratio or k, not both", _FIXES[ctx.name])
+    if "ratio" in ctx.kwargs:
+        return ctx.ratio(ctx.kwargs["ratio"]), None
+    if "k" in ctx.kwargs:
+        return None, ctx.count(ctx.kwargs["k"])
+    if not ctx.args:
+        raise ctx.error("needs a ratio (e.g. 0.01) or k=<int>", _FIXES[ctx.name])
+    first = ctx.args[0]
+    if first.isdigit():
+        return None, int(first)
+    return ctx.ratio(first), None
+
+
+def _k_total(ratio: float | None, k: int | None, dim: int) -> int:
+    return min(k, dim) if k is not None else k_from_ratio(ratio or 0.0, dim)
+
+
+def _none(ctx: StageContext) -> Identity:
+    ctx.expect(0, set())
+    return Identity()
+
+
+def _topk(ctx: StageContext) -> TopK:
+    ctx.expect(2, {"ratio", "k", "scope"})
+    ratio, k = _amount(ctx)
+    scope = ctx.kwargs.get("scope", ctx.args[1] if len(ctx.args) > 1 else "tensor")
+    if scope not in ("tensor", "global"):
+        raise ctx.error(f"scope {scope!r} must be 'tensor' or 'global'", _FIXES["topk"])
+    return TopK(ratio, k=k, scope="global" if scope == "global" else "tensor")
+
+
+def _randk(ctx: StageContext) -> RandomK:
+    ctx.expect(2, {"ratio", "k"})
+    ratio, k = _amount(ctx)
+    mode = ctx.args[1] if len(ctx.args) > 1 else "private"
+    if mode not in ("private", "shared"):
+        raise ctx.error(f"mode {mode!r} must be 'private' or 'shared'", _FIXES["randk"])
+    if mode == "private":
+        return RandomK(ratio, k=k)
+    seed, rnd = ctx.public()
+    return RandomK(ratio, k=k, seed=seed, round=rnd)
+
+
+def _shared(ctx: StageContext) -> SharedSupport:
+    ctx.expect(1, {"ratio", "k"})
+    ratio, k = _amount(ctx)
+    seed, rnd = ctx.public()
+    return SharedSupport(lambda d: random_support(d, _k_total(ratio, k, d), round=rnd, seed=seed))
+
+
+def _block(ctx: StageContext) -> SharedSupport:
+    ctx.expect(1, {"ratio", "k"})
+    ratio, k = _amount(ctx)
+    seed, rnd = ctx.public()
+    return SharedSupport(lambda d: block_support(d, _k_total(ratio, k, d), round=rnd, seed=seed))
+
+
+def _aggtopk(ctx: StageContext) -> SharedSupport:
+    ctx.expect(1, {"ratio", "k", "random"})
+    ratio, k = _amount(ctx)
+    frac = ctx.ratio(ctx.kwargs["random"]) if "random" in ctx.kwargs else 0.0
+    seed, rnd = ctx.public()
+    agg = ctx.previous_aggregate
+    if agg is None:
+        raise ctx.error(
+            "needs the previous round's public aggregate",
+            "pass previous_aggregate=..., or use 'shared:<ratio>' in the first round",
+        )
+    flat = np.asarray(agg, dtype=np.float64).ravel()
+
+    def support(d: int) -> NDArray[np.int64]:
+        if d != flat.shape[0]:
+            raise ctx.error(
+                f"previous aggregate has {flat.shape[0]} elements but the update has {d}",
+                "pass the aggregate of the same model",
+            )
+        return topk_of_aggregate(
+            flat, _k_total(ratio, k, d), random_fraction=frac, round=rnd, seed=seed
+        )
+
+    return SharedSupport(support)
+
+
+def _fp16(ctx: StageContext) -> FP16:
+    ctx.expect(0, set())
+    return FP16()
+
+
+def _bf16(ctx: StageContext) -> BF16:
+    ctx.expect(0, set())
+    return BF16()
+
+
+def _int8(ctx: StageContext) -> Int8:
+    ctx.expect(2, {"chunk", "rounding"})
+    chunk, rounding = 256, "stochastic"
+    for a in ctx.args:
+        if a.isdigit():
+            chunk = int(a)
+        else:
+            rounding = a
+    chunk = ctx.count(ctx.kwargs["chunk"], "chunk") if "chunk" in ctx.kwargs else chunk
+    rounding = ctx.kwargs.get("rounding", rounding)
+    if rounding not in ("stochastic", "nearest"):
+        raise ctx.error(f"rounding {rounding!r} must be 'stochastic' or 'nearest'", _FIXES["int8"])
+    if not 1 <= chunk <= 2**31 - 1:
+        raise ctx.error(f"chunk {chunk} must be in [1, 2**31 - 1]", _FIXES["int8"])
+    return Int8(chunk, stochastic=rounding == "stochastic")
+
+
+for _name, _factory in (
+    ("none", _none),
+    ("topk", _topk),
+    ("randk", _randk),
+    ("shared", _shared),
+    ("block", _block),
+    ("aggtopk", _aggtopk),
+    ("fp16", _fp16),
+    ("bf16", _bf16),
+    ("int8", _int8),
+):
+    registry.register(_name, _factory)
+
+
+def _split_part(spec: str, part: str) -> tuple[str, tuple[str, ...], dict[str, str]]:
+    name, _, rest = part.partition(":")
+    name = name.strip().lower().replace("_", "-")
+    args: list[str] = []
+    kwargs: dict[str, str] = {}
+    if rest.strip():
+        for raw in rest.split(","):
+            item = raw.strip()
+            if not item:
+                raise ConfigError(
+                    explain(f"compression spec {spec!r}, part", part, "empty argument", "drop ','")
+                )
+            if "=" in item:
+                key, _, value = item.partition("=")
+                key = key.strip().lower()
+                if key in kwargs:
+                    raise ConfigError(
+                        explain(f"compression spec {spec!r}, part", part, f"{key} given twice", "")
+                    )
+                kwargs[key] = value.strip()
+            else:
+                args.append(item.lower())
+    elif ":" in part:
+        raise ConfigError(
+            explain(f"compression spec {spec!r}, part", part, "':' without arguments", "drop ':'")
+        )
+    return name, tuple(args), kwargs
+
+
+def build_compressor(
+    spec: str,
+    *,
+    seed: bytes | None = None,
+    round: int | None = None,
+    previous_aggregate: NDArray[Any] | None = None,
+) -> Compressor:
+    """Build a compressor from a spec string.
+
+    Parameters
+    ----------
+    spec : str
+        E.g. ``"none"``, ``"bf16"``, ``"topk:0.01+ef+int8"``, ``"shared:0.01+ef"``.
+    seed : bytes, optional
+        Public federation seed (needed by ``shared``, ``block``, ``aggtopk``,
+        ``randk:...,shared``).
+    round : int, optional
+        Current round (same stages).
+    previous_aggregate : ndarray, optional
+        Previous round's public aggregate (``aggtopk``).
+
+    Returns
+    -------
+    Compressor
+        ``ErrorFeedback(...)`` when the spec contains ``ef`` (restore its state with
+        ``load_state_dict``), else a plain compressor.
+
+    Raises
+    ------
+    ConfigError
+        Naming the spec, the bad part, the rule and the fix.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError(
+            explain("compression spec", spec, "must be a non-empty string", "e.g. 'none'")
+        )
+    ef = False
+    first: Compressor | None = None
+    quantizer: Quantizer | None = None
+    for raw in spec.split("+"):
+        part = raw.strip()
+        if not part:
+            raise ConfigError(
+                explain(f"compression spec {spec!r}, part", raw, "empty stage", "remove the '+'")
+            )
+        name, args, kwargs = _split_part(spec, part)
+        ctx = StageContext(spec, part, name, args, kwargs, seed, round, previous_aggregate)
+        if name == "ef":
+            if args or kwargs:
+                raise ctx.error("ef takes no arguments", "write 'ef'")
+            if ef:
+                raise ctx.error("ef appears twice", "write 'ef' once")
+            ef = True
+            continue
+        try:
+            factory = registry.get(name)
+        except RegistryError:
+            known = ", ".join(["ef", *registry.names()])
+            raise ctx.error(
+                f"unknown stage {name!r}; known: {known}", "use a known stage"
+            ) from None
+        stage = factory(ctx)
+        if isinstance(stage, Quantizer):
+            if quantizer is not None:
+                raise ctx.error("at most one quantizer", "keep one of fp16 / bf16 / int8")
+            quantizer = stage
+        elif isinstance(stage, Compressor):
+            if first is not None:
+                raise ctx.error("at most one sparsifier", "keep one sparsifier stage")
+            if quantizer is not None:
+                raise ctx.error("the sparsifier must come before the quantizer", "reorder")
+            first = stage
+        else:
+            raise ctx.error("factory returned neither a compressor nor a quantizer", "fix plugin")
+    if isinstance(first, Identity) and (ef or quantizer is not None):
+        raise ConfigError(
+            explain(
+                f"compression spec {spec!r}, part",
+                "none",
+                "'none' cannot be combined with other stages",
+                "write 'none' alone, or drop it (e.g. 'bf16+ef')",
+            )
+        )
+    if ef and first is None and quantizer is None:
+        raise ConfigError(
+            explain(
+                f"compression spec {spec!r}, part", "ef", "ef needs a lossy stage", "'topk:0.01+ef'"
+            )
+        )
+    pipeline: Compressor
+    if first is None:
+        if quantizer is None:  # unreachable: spec had at least one stage
+            raise ConfigError(explain("compression spec", spec, "no stage", "e.g. 'none'"))
+        pipeline = quantizer if isinstance(quantizer, Compressor) else Chain(Identity(), quantizer)
+    else:
+        pipeline = first if quantizer is None else Chain(first, quantizer)
+    return ErrorFeedback(pipeline) if ef else pipeline
