@@ -1,0 +1,327 @@
+"""``all_reduce``: the public entry point of intra-site collectives.
+
+Each call (1) validates the local input, (2) exchanges a small header with every peer (status,
+length, dtype, algorithm, op, wire dtype, group and segment size) so that inputs that differ
+across ranks raise :class:`~fedagg.errors.CollectiveError` on *every* rank instead of hanging,
+then (3) runs the algorithm: a schedule through :func:`~fedagg.collectives.executor.execute`,
+or the backend's own all-reduce for ``native``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from fedagg.collectives.communicator import Communicator
+from fedagg.collectives.cost import CostModel, choose_algorithm, get_default_cost_model
+from fedagg.collectives.executor import DEFAULT_SEGMENT_BYTES, CollectiveStats, execute
+from fedagg.collectives.schedule import SCHEDULED_ALGORITHMS, get_schedule
+from fedagg.errors import CollectiveError, ConfigError, explain
+
+__all__ = ["ALGORITHMS", "DTYPES", "OPS", "all_reduce", "last_stats"]
+
+_log = logging.getLogger(__name__)
+
+ALGORITHMS: tuple[str, ...] = ("auto", *SCHEDULED_ALGORITHMS, "native")
+OPS: tuple[str, ...] = ("sum", "avg")
+DTYPES: dict[torch.dtype, int] = {
+    torch.float32: 1,
+    torch.float64: 2,
+    torch.bfloat16: 3,
+    torch.float16: 4,
+}
+_WIRE: dict[str | None, torch.dtype | None] = {
+    None: None,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+_ALGO_CODE = {a: i + 1 for i, a in enumerate(ALGORITHMS)}
+_MAGIC = 0x46454441  # "FEDA"
+_FIELDS = (
+    "magic",
+    "status",
+    "numel",
+    "dtype",
+    "algorithm",
+    "op",
+    "wire_dtype",
+    "group_size",
+    "segment_elems",
+)
+_local = threading.local()
+
+
+def last_stats() -> CollectiveStats | None:
+    """Counters of the last :func:`all_reduce` made by the calling thread (or ``None``)."""
+    out: CollectiveStats | None = getattr(_local, "stats", None)
+    return out
+
+
+def _default_comm(timeout: float | None) -> Communicator:
+    from fedagg.collectives.backends.torch_dist import TorchDistCommunicator
+
+    return TorchDistCommunicator() if timeout is None else TorchDistCommunicator(timeout=timeout)
+
+
+def _validate(tensor: object, algorithm: str, op: str, wire: str | None) -> ConfigError | None:
+    if not isinstance(tensor, torch.Tensor):
+        return ConfigError(
+            explain(
+                "tensor",
+                type(tensor).__name__,
+                "must be a torch.Tensor",
+                "pass a flat gradient bucket tensor",
+            )
+        )
+    if tensor.dtype not in DTYPES:
+        return ConfigError(
+            explain(
+                "tensor.dtype",
+                str(tensor.dtype),
+                "must be float32, float64, bfloat16 or float16",
+                "cast the tensor, e.g. tensor.float()",
+            )
+        )
+    if not tensor.is_contiguous():
+        return ConfigError(
+            explain(
+                "tensor",
+                f"shape {tuple(tensor.shape)} strides {tensor.stride()}",
+                "must be contiguous (reduced in place)",
+                "pass tensor.contiguous() and copy the result back",
+            )
+        )
+    if algorithm not in ALGORITHMS:
+        return ConfigError(
+            explain(
+                "algorithm", algorithm, f"must be one of {list(ALGORITHMS)}", "pick one of those"
+            )
+        )
+    if op not in OPS:
+        return ConfigError(
+            explain(
+                "op",
+                op,
+                f"must be one of {list(OPS)}",
+                "use 'sum', or 'avg' to divide by the world size",
+            )
+        )
+    if wire not in _WIRE:
+        return ConfigError(
+            explain("wire_dtype", wire, "must be None, 'bf16' or 'fp16'", "pass one of those")
+        )
+    if wire is not None and algorithm == "native":
+        return ConfigError(
+            explain(
+                "wire_dtype",
+                wire,
+                "the native all-reduce reduces in the tensor's own dtype",
+                "use ring/tree/hierarchical, or wire_dtype=None",
+            )
+        )
+    if wire is not None and tensor.dtype == torch.float64:
+        return ConfigError(
+            explain(
+                "wire_dtype",
+                wire,
+                "low-precision transport needs a float32/16 tensor",
+                "use wire_dtype=None for float64",
+            )
+        )
+    return None
+
+
+def _exchange_headers(comm: Communicator, header: torch.Tensor) -> list[list[int]]:
+    n, rank = comm.world_size, comm.rank
+    bufs = {r: torch.empty_like(header) for r in range(n) if r != rank}
+    reqs = comm.exchange(
+        [(header, r) for r in range(n) if r != rank], [(b, r) for r, b in bufs.items()]
+    )
+    for req in reqs:
+        req.wait()
+    mine = [int(v) for v in header.tolist()]
+    return [mine if r == rank else [int(v) for v in bufs[r].tolist()] for r in range(n)]
+
+
+def _check_headers(headers: list[list[int]]) -> None:
+    bad = [r for r, h in enumerate(headers) if h[0] != _MAGIC]
+    if bad:
+        raise CollectiveError(
+            explain(
+                "header",
+                f"ranks {bad}",
+                "sent a malformed header",
+                "call all_reduce (not another collective) on every rank",
+            )
+        )
+    failed = [r for r, h in enumerate(headers) if h[1] != 0]
+    if failed:
+        raise CollectiveError(
+            explain(
+                "input",
+                f"ranks {failed}",
+                "rejected their local input (see the ConfigError on those ranks)",
+                "fix the tensor / arguments passed on those ranks",
+            )
+        )
+    for i, name in enumerate(_FIELDS[2:], start=2):
+        values = [h[i] for h in headers]
+        if len(set(values)) > 1:
+            shown = values
+            if name == "dtype":
+                names = {c: str(d).removeprefix("torch.") for d, c in DTYPES.items()}
+                shown = [names.get(v, v) for v in values]  # type: ignore[misc]
+            elif name == "algorithm":
+                names_a = {c: a for a, c in _ALGO_CODE.items()}
+                shown = [names_a.get(v, v) for v in values]  # type: ignore[misc]
+            raise CollectiveError(
+                explain(
+                    name,
+                    shown,
+                    "differs across ranks (values listed by rank)",
+                    "pass the same length, dtype, algorithm, op and options on every rank "
+                    "(and the same cost model when algorithm='auto')",
+                )
+            )
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    *,
+    algorithm: str = "auto",
+    op: str = "sum",
+    comm: Communicator | None = None,
+    wire_dtype: str | None = None,
+    group_size: int | None = None,
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+    model: CostModel | None = None,
+    check: bool = True,
+    stats: CollectiveStats | None = None,
+    timeout: float | None = None,
+) -> torch.Tensor:
+    """Sum (or average) ``tensor`` across all ranks, in place; return it.
+
+    Parameters
+    ----------
+    tensor : torch.Tensor
+        Contiguous float32, float64, bfloat16 or float16 tensor, any shape; the same length
+        and dtype on every rank.
+    algorithm : {"auto", "ring", "tree", "hierarchical", "native"}
+        ``auto`` picks the cheapest for ``(N, D)`` with the cost model.
+    op : {"sum", "avg"}
+        ``avg`` divides the sum by the world size.
+    comm : Communicator, optional
+        Transport; ``None`` uses the initialized default torch.distributed process group.
+    wire_dtype : {None, "bf16", "fp16"}
+        Low-precision transport: messages in that dtype, accumulation in float32.
+        bfloat16 / float16 tensors are always accumulated in float32.
+    group_size : int, optional
+        Ranks per group for ``hierarchical`` (workers per node).
+    segment_bytes : int
+        Pipelining segment size, in bytes on the wire.
+    model : CostModel, optional
+        Cost model for ``auto`` (default :func:`~fedagg.collectives.cost.get_default_cost_model`).
+    check : bool
+        Exchange the consistency header first (one small message to every peer). With
+        ``False``, mismatched inputs may fail with a less precise error or a timeout.
+    stats : CollectiveStats, optional
+        Filled with this call's counters; also available from :func:`last_stats`.
+    timeout : float, optional
+        Timeout of the default communicator (``comm=None`` only).
+
+    Returns
+    -------
+    torch.Tensor
+        ``tensor`` itself, now holding the reduction.
+
+    Raises
+    ------
+    ConfigError
+        Bad local input (dtype, non-contiguous, unknown algorithm / op / wire dtype).
+    CollectiveError
+        Inputs differ across ranks, or a peer reported bad input, or the transport failed.
+    CollectiveTimeout
+        A peer did not answer within the communicator's timeout.
+    """
+    t0 = time.perf_counter()
+    if comm is None:
+        comm = _default_comm(timeout)
+    n = comm.world_size
+    error = _validate(tensor, algorithm, op, wire_dtype)
+    if error is None and (
+        isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int) or segment_bytes < 1
+    ):
+        error = ConfigError(
+            explain("segment_bytes", segment_bytes, "must be an int >= 1", "pass e.g. 1 << 20")
+        )
+    wire = _WIRE.get(wire_dtype) if error is None else None
+    resolved = algorithm
+    numel = tensor.numel() if isinstance(tensor, torch.Tensor) else 0
+    if error is None:
+        wire = wire if wire is not None else tensor.dtype
+        if algorithm == "auto":
+            resolved = choose_algorithm(
+                n,
+                numel * wire.itemsize,
+                model=model if model else get_default_cost_model(),
+                group_size=group_size,
+            )
+    seg_elems = (
+        max(1, segment_bytes // (wire.itemsize if wire is not None else 4))
+        if isinstance(segment_bytes, int)
+        else 1
+    )
+    if check and n > 1:
+        device = tensor.device if isinstance(tensor, torch.Tensor) else torch.device("cpu")
+        header = torch.tensor(
+            [
+                _MAGIC,
+                0 if error is None else 1,
+                numel,
+                DTYPES.get(tensor.dtype, -1) if isinstance(tensor, torch.Tensor) else -1,
+                _ALGO_CODE.get(resolved, -1),
+                OPS.index(op) if op in OPS else -1,
+                {None: 0, torch.bfloat16: 1, torch.float16: 2}.get(_WIRE.get(wire_dtype), -1),
+                group_size or 0,
+                seg_elems,
+            ],
+            dtype=torch.int64,
+            device=device,
+        )
+        headers = _exchange_headers(comm, header)
+        if error is not None:
+            raise error
+        _check_headers(headers)
+    elif error is not None:
+        raise error
+
+    st = CollectiveStats() if stats is None else stats
+    st.algorithm, st.world_size, st.rank, st.numel = resolved, n, comm.rank, numel
+    st.dtype = str(tensor.dtype).removeprefix("torch.")
+    st.header_bytes = 9 * 8 * (n - 1) if check else 0
+    if resolved == "native":
+        st.wire_dtype = st.dtype
+        if n > 1 and numel > 0:
+            comm.native_all_reduce(tensor, op)
+            st.bytes_sent = -1  # unknown: the backend's own algorithm
+    else:
+        assert wire is not None  # narrowed above; not input validation
+        st.wire_dtype = str(wire).removeprefix("torch.")
+        acc = torch.float64 if tensor.dtype == torch.float64 else torch.float32
+        flat = tensor.view(-1)
+        work = flat if flat.dtype == acc else flat.to(acc)
+        schedule = get_schedule(resolved, n, numel, group_size=group_size)
+        execute(schedule, comm, work, wire_dtype=wire, segment_elems=seg_elems, stats=st)
+        if op == "avg" and n > 1:
+            work.div_(n)
+        if work is not flat:
+            flat.copy_(work)
+    st.seconds = time.perf_counter() - t0
+    _local.stats = st
+    _log.debug("all_reduce %s", st)
+    return tensor

@@ -1,0 +1,203 @@
+"""torch.distributed point-to-point communicator (gloo on CPU, NCCL on GPU).
+
+This is the only fedagg module that imports :mod:`torch.distributed`.
+
+Examples
+--------
+Inside a process that called ``torch.distributed.init_process_group("gloo", ...)``::
+
+    from fedagg.collectives import all_reduce
+    from fedagg.collectives.backends.torch_dist import TorchDistCommunicator
+
+    comm = TorchDistCommunicator(timeout=60.0)
+    all_reduce(grad_bucket, algorithm="ring", op="avg", comm=comm)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fedagg.collectives.communicator import DEFAULT_TIMEOUT_S, Request
+from fedagg.errors import CollectiveError, CollectiveTimeout, ConfigError, explain
+
+__all__ = ["TorchDistCommunicator", "is_initialized"]
+
+_log = logging.getLogger(__name__)
+
+
+def is_initialized() -> bool:
+    """Whether the default torch.distributed process group exists."""
+    return bool(dist.is_available() and dist.is_initialized())
+
+
+def _translate(exc: Exception, what: str, timeout: float) -> CollectiveError:
+    text = str(exc)
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return CollectiveTimeout(
+            explain(
+                what,
+                text.splitlines()[0][:160],
+                f"no answer within timeout={timeout}s",
+                "check that every rank calls the same collectives in the same order, "
+                "or raise the timeout",
+            )
+        )
+    return CollectiveError(
+        explain(
+            what,
+            text.splitlines()[0][:160] if text else type(exc).__name__,
+            "the torch.distributed operation failed",
+            "check that every rank passes the same length and dtype, and that no peer crashed",
+        )
+    )
+
+
+class _Work:
+    def __init__(self, work: Any, what: str, timeout: float) -> None:
+        self._work = work
+        self._what = what
+        self._timeout = timeout
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        try:
+            self._work.wait(timedelta(seconds=self._timeout))
+        except Exception as exc:  # torch raises RuntimeError / DistBackendError subclasses
+            raise _translate(exc, self._what, self._timeout) from exc
+        self._work = None
+
+
+class TorchDistCommunicator:
+    """A Communicator over a torch.distributed process group.
+
+    Parameters
+    ----------
+    group : ProcessGroup, optional
+        Group to communicate in; the default (world) group if ``None``. Ranks passed to
+        :meth:`isend` / :meth:`irecv` are ranks *within* the group.
+    timeout : float
+        Seconds any wait may block before raising CollectiveTimeout.
+
+    Raises
+    ------
+    CollectiveError
+        If torch.distributed has not been initialized.
+    """
+
+    def __init__(self, group: Any = None, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        if not is_initialized():
+            raise CollectiveError(
+                explain(
+                    "torch.distributed",
+                    "not initialized",
+                    "comm=None / TorchDistCommunicator needs the default process group",
+                    "call torch.distributed.init_process_group(...) first, or pass "
+                    "comm=InProcessGroup(n).communicators()[rank]",
+                )
+            )
+        if not timeout > 0:
+            raise ConfigError(explain("timeout", timeout, "must be > 0", "pass seconds"))
+        self._group = group
+        self._timeout = float(timeout)
+        self._rank = dist.get_rank(group)
+        self._world = dist.get_world_size(group)
+        self._backend = str(dist.get_backend(group)).lower()
+        self._globals = [
+            r if group is None else dist.get_global_rank(group, r) for r in range(self._world)
+        ]
+
+    @property
+    def rank(self) -> int:
+        return int(self._rank)
+
+    @property
+    def world_size(self) -> int:
+        return int(self._world)
+
+    @property
+    def timeout(self) -> float:
+        return self._timeout
+
+    @property
+    def backend(self) -> str:
+        """Name of the torch.distributed backend (``"gloo"``, ``"nccl"``)."""
+        return self._backend
+
+    @property
+    def pipelined(self) -> bool:
+        return "nccl" not in self._backend
+
+    def _peer(self, peer: int) -> int:
+        if not 0 <= peer < self._world or peer == self._rank:
+            raise CollectiveError(
+                explain(
+                    "peer", peer, f"must be another rank in [0, {self._world})", "fix the schedule"
+                )
+            )
+        return self._globals[peer]
+
+    def isend(self, tensor: torch.Tensor, dst: int) -> Request:
+        try:
+            work = dist.isend(tensor, self._peer(dst), group=self._group)
+        except CollectiveError:
+            raise
+        except Exception as exc:
+            raise _translate(exc, "isend", self._timeout) from exc
+        return _Work(work, f"send {self._rank}->{dst}", self._timeout)
+
+    def irecv(self, tensor: torch.Tensor, src: int) -> Request:
+        try:
+            work = dist.irecv(tensor, self._peer(src), group=self._group)
+        except CollectiveError:
+            raise
+        except Exception as exc:
+            raise _translate(exc, "irecv", self._timeout) from exc
+        return _Work(work, f"recv {self._rank}<-{src}", self._timeout)
+
+    def exchange(
+        self,
+        sends: Sequence[tuple[torch.Tensor, int]],
+        recvs: Sequence[tuple[torch.Tensor, int]],
+    ) -> list[Request]:
+        if self.pipelined:
+            out = [self.isend(t, d) for t, d in sends]
+            out.extend(self.irecv(t, s) for t, s in recvs)
+            return out
+        ops = [dist.P2POp(dist.isend, t, self._peer(d), self._group) for t, d in sends]
+        ops += [dist.P2POp(dist.irecv, t, self._peer(s), self._group) for t, s in recvs]
+        if not ops:
+            return []
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except Exception as exc:
+            raise _translate(exc, "batch_isend_irecv", self._timeout) from exc
+        reqs: list[Request] = [_Work(w, "batch_isend_irecv", self._timeout) for w in works]
+        return reqs
+
+    def barrier(self) -> None:
+        try:
+            if "gloo" in self._backend:
+                dist.monitored_barrier(self._group, timeout=timedelta(seconds=self._timeout))
+            else:
+                work = dist.barrier(self._group, async_op=True)
+                _Work(work, "barrier", self._timeout).wait()
+        except CollectiveError:
+            raise
+        except Exception as exc:
+            raise _translate(exc, "barrier", self._timeout) from exc
+
+    def native_all_reduce(self, tensor: torch.Tensor, op: str) -> None:
+        try:
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
+        except Exception as exc:
+            raise _translate(exc, "all_reduce", self._timeout) from exc
+        _Work(work, "all_reduce", self._timeout).wait()
+        if op == "avg":
+            tensor.div_(self._world)

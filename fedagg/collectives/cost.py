@@ -1,0 +1,250 @@
+"""Alpha-beta(-gamma) cost model of the all-reduce schedules, and the ``auto`` choice.
+
+The model is the one of Thakur, Rabenseifner & Gropp, "Optimization of collective
+communication operations in MPICH", IJHPCA 19(1), 2005, section 4: sending ``m`` bytes costs
+``alpha + m beta``, reducing ``m`` bytes costs ``m gamma``. With ``N`` ranks, ``D`` bytes and
+``S`` pipelining segments per chunk:
+
+* ring: ``2 (N-1) (alpha + D/N beta) + (N-1) D/N gamma`` (Patarasuk & Yuan 2009);
+* tree (pipelined double binary tree of height ``H``, each tree carrying ``D/2``):
+  ``(2H + S - 1) (alpha + D/S beta) + D gamma`` -- about ``2 H alpha + D beta`` for small
+  segments, versus the ring's ``2 (N-1) alpha + 2 D beta``;
+* hierarchical (chain depth ``g - 1`` in groups of ``g``, tree across ``L`` leaders):
+  ``(2 (g-1) + 2 H_L + S - 1) (alpha + D/S beta) + D gamma``.
+
+``alpha``, ``beta`` and ``gamma`` are calibrated by :func:`calibrate` (a ping-pong between
+ranks 0 and 1 and a local add) or fitted from measurements with :func:`fit_alpha_beta`.
+``algorithm="auto"`` picks the scheduled algorithm with the smallest predicted time.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from fedagg.collectives.communicator import Communicator, sendrecv
+from fedagg.collectives.executor import DEFAULT_SEGMENT_BYTES, MAX_SEGMENTS
+from fedagg.collectives.schedule import SCHEDULED_ALGORITHMS, get_schedule
+from fedagg.errors import ConfigError, explain
+
+__all__ = [
+    "CostModel",
+    "calibrate",
+    "choose_algorithm",
+    "fit_alpha_beta",
+    "get_default_cost_model",
+    "predict",
+    "set_default_cost_model",
+]
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Machine parameters of the alpha-beta-gamma model.
+
+    Parameters
+    ----------
+    alpha : float
+        Seconds of latency per message.
+    beta : float
+        Seconds per byte on the wire (1 / bandwidth).
+    gamma : float
+        Seconds per byte reduced.
+    segment_bytes : int
+        Pipelining segment size the executor uses (sets ``S``).
+    """
+
+    alpha: float = 60e-6
+    beta: float = 1.0 / 2e9
+    gamma: float = 1.0 / 4e9
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES
+
+    def __post_init__(self) -> None:
+        for name in ("alpha", "beta", "gamma"):
+            value = getattr(self, name)
+            if not (isinstance(value, float | int) and math.isfinite(value) and value >= 0):
+                raise ConfigError(
+                    explain(
+                        f"CostModel.{name}",
+                        value,
+                        "must be a finite float >= 0",
+                        "calibrate() or pass a measured value",
+                    )
+                )
+        if self.segment_bytes < 1:
+            raise ConfigError(
+                explain(
+                    "CostModel.segment_bytes",
+                    self.segment_bytes,
+                    "must be >= 1",
+                    "pass e.g. 1 << 20",
+                )
+            )
+
+
+_default = CostModel()
+
+
+def get_default_cost_model() -> CostModel:
+    """The model ``auto`` uses when none is passed."""
+    return _default
+
+
+def set_default_cost_model(model: CostModel) -> None:
+    """Replace the process-wide default model (e.g. with one from :func:`calibrate`).
+
+    Every rank must use the same model, or ``auto`` may pick different algorithms on
+    different ranks (``all_reduce`` detects that and raises CollectiveError).
+    """
+    global _default
+    _default = model
+
+
+def _segments(nbytes: float, seg: int) -> int:
+    return min(MAX_SEGMENTS, max(1, math.ceil(nbytes / seg)))
+
+
+def predict(
+    algorithm: str,
+    world_size: int,
+    nbytes: int,
+    *,
+    model: CostModel | None = None,
+    group_size: int | None = None,
+) -> float:
+    """Predicted seconds of one all-reduce of ``nbytes`` bytes over ``world_size`` ranks.
+
+    Parameters
+    ----------
+    algorithm : str
+        ``"ring"``, ``"tree"`` or ``"hierarchical"``.
+    world_size : int
+        Number of ranks ``N``.
+    nbytes : int
+        Tensor size ``D`` in bytes (on the wire).
+    model : CostModel, optional
+        Defaults to :func:`get_default_cost_model`.
+    group_size : int, optional
+        Group size of ``hierarchical``.
+    """
+    m = _default if model is None else model
+    sched = get_schedule(algorithm, world_size, 0, group_size=group_size)
+    n, d = world_size, float(nbytes)
+    if n == 1 or nbytes == 0:
+        return 0.0
+    if algorithm == "ring":
+        return 2 * (n - 1) * (m.alpha + d / n * m.beta) + (n - 1) * d / n * m.gamma
+    segs = _segments(d / 2, m.segment_bytes)
+    return (sched.num_steps + segs - 1) * (m.alpha + d / segs * m.beta) + d * m.gamma
+
+
+def choose_algorithm(
+    world_size: int,
+    nbytes: int,
+    *,
+    model: CostModel | None = None,
+    group_size: int | None = None,
+) -> str:
+    """The scheduled algorithm with the smallest :func:`predict` (ties: ring, tree, hier.)."""
+    best = min(
+        SCHEDULED_ALGORITHMS,
+        key=lambda a: predict(a, world_size, nbytes, model=model, group_size=group_size),
+    )
+    return best
+
+
+def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+    """Least-squares fit of ``t = alpha + size * beta``, clamped to non-negative values.
+
+    Parameters
+    ----------
+    sizes : sequence of float
+        Message sizes in bytes (at least two distinct values).
+    seconds : sequence of float
+        Measured one-way times.
+    """
+    if len(sizes) != len(seconds) or len(set(sizes)) < 2:
+        raise ConfigError(
+            explain(
+                "sizes",
+                list(sizes),
+                "need >= 2 distinct sizes, one time each",
+                "measure at least a small and a large message",
+            )
+        )
+    k = len(sizes)
+    mx = sum(sizes) / k
+    my = sum(seconds) / k
+    sxx = sum((x - mx) ** 2 for x in sizes)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(sizes, seconds, strict=True))
+    beta = max(sxy / sxx, 0.0)
+    alpha = max(my - beta * mx, 0.0)
+    return alpha, beta
+
+
+def _measure_gamma(nbytes: int = 1 << 22, repeats: int = 5) -> float:
+    a = torch.ones(nbytes // 4)
+    b = torch.ones(nbytes // 4)
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a.add_(b)
+        best = min(best, time.perf_counter() - t0)
+    return best / nbytes
+
+
+def calibrate(
+    comm: Communicator,
+    *,
+    sizes: Sequence[int] = (8, 1 << 16, 1 << 20, 1 << 22),
+    repeats: int = 5,
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+) -> CostModel:
+    """Measure alpha, beta (ping-pong between ranks 0 and 1) and gamma; same result on all ranks.
+
+    Every rank must call it. Rank 0 measures, fits :func:`fit_alpha_beta` to the median
+    one-way times, and sends the model to the other ranks.
+    """
+    rank, n = comm.rank, comm.world_size
+    params = torch.zeros(3, dtype=torch.float64)
+    if rank == 0:
+        params[2] = _measure_gamma()
+    if n >= 2 and rank in (0, 1):
+        times: list[float] = []
+        for size in sizes:
+            buf = torch.zeros(max(1, size // 4), dtype=torch.float32)
+            samples: list[float] = []
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                if rank == 0:
+                    sendrecv(comm, buf, 1, None, None)
+                    sendrecv(comm, None, None, buf, 1)
+                else:
+                    sendrecv(comm, None, None, buf, 0)
+                    sendrecv(comm, buf, 0, None, None)
+                samples.append((time.perf_counter() - t0) / 2)
+            samples = sorted(samples[1:])
+            times.append(samples[len(samples) // 2])
+        if rank == 0:
+            alpha, beta = fit_alpha_beta([float(max(4, s)) for s in sizes], times)
+            params[0], params[1] = alpha, beta
+    if n >= 2:
+        if rank == 0:
+            reqs = comm.exchange([(params, r) for r in range(1, n)], [])
+        else:
+            reqs = comm.exchange([], [(params, 0)])
+        for req in reqs:
+            req.wait()
+    base = CostModel(segment_bytes=segment_bytes)
+    if n < 2:
+        return replace(base, gamma=float(params[2]))
+    model = CostModel(float(params[0]), float(params[1]), float(params[2]), segment_bytes)
+    _log.info("calibrated cost model: %s", model)
+    return model

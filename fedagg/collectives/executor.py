@@ -1,0 +1,252 @@
+"""Execute a :class:`~fedagg.collectives.schedule.Schedule` on one rank over a Communicator.
+
+Every transfer is split into segments of about ``segment_elems`` elements. In pipelined mode
+(gloo, in-process) the receives of step ``s + 1`` are posted before step ``s`` is waited on,
+and as soon as segment ``k`` of every step-``s`` receive has been applied, segment ``k`` of the
+step-``s + 1`` sends goes out, while the later segments of step ``s`` are still in flight: a
+ring runs as a wavefront, and a tree forwards segment ``k`` upward while segment ``k + 1``
+arrives from the children (the pipelined tree of the cost model). Reductions are in place,
+with torch ops on whole segments.
+
+In grouped mode (NCCL, where an unpaired receive can block a send on the same stream) each
+step is posted as one :meth:`~fedagg.collectives.communicator.Communicator.exchange` and
+waited on before the next.
+
+Low-precision transport: the work buffer is float32 (or float64) and messages travel in
+``wire_dtype``. Before a rank sends a ``copy`` transfer it rounds its own segment to the wire
+dtype, so every rank ends with bit-identical values.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from fedagg.collectives.communicator import Communicator, Request
+from fedagg.collectives.schedule import Op, Schedule, Transfer, chunk_bounds
+
+__all__ = ["DEFAULT_SEGMENT_BYTES", "MAX_SEGMENTS", "CollectiveStats", "execute", "segments"]
+
+_log = logging.getLogger(__name__)
+
+DEFAULT_SEGMENT_BYTES = 1 << 20
+"""Default pipelining segment, in bytes on the wire."""
+
+MAX_SEGMENTS = 64
+"""At most this many segments per chunk (bounds per-message overhead on huge tensors)."""
+
+
+@dataclass
+class CollectiveStats:
+    """Counters of one all-reduce call on one rank (for metrics).
+
+    Attributes
+    ----------
+    algorithm : str
+        Algorithm actually run (``auto`` resolved).
+    world_size, rank, numel : int
+        Shape of the call.
+    dtype, wire_dtype : str
+        Tensor dtype and dtype on the wire.
+    bytes_sent, bytes_received : int
+        Payload bytes this rank sent / received (excluding the header).
+    messages_sent : int
+        Point-to-point messages sent (segments), excluding the header.
+    steps : int
+        Schedule steps (0 for ``native``).
+    header_bytes : int
+        Bytes this rank sent for the consistency header.
+    seconds : float
+        Wall time of the call on this rank.
+    """
+
+    algorithm: str = ""
+    world_size: int = 1
+    rank: int = 0
+    numel: int = 0
+    dtype: str = ""
+    wire_dtype: str = ""
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    messages_sent: int = 0
+    steps: int = 0
+    header_bytes: int = 0
+    seconds: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def segments(offset: int, length: int, segment_elems: int) -> list[tuple[int, int]]:
+    """Split a chunk into at most :data:`MAX_SEGMENTS` near-equal non-empty segments."""
+    if length <= 0:
+        return []
+    count = min(MAX_SEGMENTS, max(1, -(-length // max(1, segment_elems))))
+    return chunk_bounds(length, count, offset)
+
+
+class _Run:
+    """State of one schedule execution on one rank."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        comm: Communicator,
+        work: torch.Tensor,
+        wire_dtype: torch.dtype,
+        segment_elems: int,
+        stats: CollectiveStats,
+    ) -> None:
+        self.comm = comm
+        self.work = work
+        self.wire = wire_dtype
+        self.convert = wire_dtype != work.dtype
+        self.stats = stats
+        self.prog = schedule.program(comm.rank)
+        self.segs = [segments(off, ln, segment_elems) for off, ln in schedule.chunks]
+        self.readers: dict[tuple[int, int], list[Request]] = {}
+        self.sends: list[tuple[Request, torch.Tensor]] = []
+        self.posted: dict[int, list[tuple[Transfer, int, torch.Tensor, Request]]] = {}
+
+    def nseg(self, transfers: list[Transfer]) -> int:
+        return max((len(self.segs[t.chunk]) for t in transfers), default=0)
+
+    def payload(self, t: Transfer, k: int) -> torch.Tensor:
+        off, ln = self.segs[t.chunk][k]
+        view = self.work[off : off + ln]
+        if not self.convert:
+            return view
+        out = view.to(self.wire)
+        if t.op is Op.COPY:  # round our own copy too, so all ranks end bit-identical
+            view.copy_(out)
+        return out
+
+    def count_send(self, payload: torch.Tensor) -> None:
+        self.stats.bytes_sent += payload.numel() * payload.element_size()
+        self.stats.messages_sent += 1
+
+    def issue_sends(self, step: int, k: int) -> None:
+        for t in self.prog[step][0]:
+            if k < len(self.segs[t.chunk]):
+                data = self.payload(t, k)
+                req = self.comm.isend(data, t.dst)
+                self.count_send(data)
+                self.sends.append((req, data))
+                if not self.convert:
+                    self.readers.setdefault((t.chunk, k), []).append(req)
+
+    def post_recvs(self, step: int) -> None:
+        recvs = self.prog[step][1]
+        items: list[tuple[Transfer, int, torch.Tensor, Request]] = []
+        for k in range(self.nseg(recvs)):
+            for t in recvs:
+                if k < len(self.segs[t.chunk]):
+                    ln = self.segs[t.chunk][k][1]
+                    tmp = torch.empty(ln, dtype=self.wire, device=self.work.device)
+                    items.append((t, k, tmp, self.comm.irecv(tmp, t.src)))
+        self.posted[step] = items
+
+    def apply(self, t: Transfer, k: int, tmp: torch.Tensor) -> None:
+        for req in self.readers.pop((t.chunk, k), ()):
+            req.wait()  # a pending send still reads this segment
+        off, ln = self.segs[t.chunk][k]
+        view = self.work[off : off + ln]
+        if t.op is Op.REDUCE:
+            view.add_(tmp)
+        else:
+            view.copy_(tmp)
+        self.stats.bytes_received += tmp.numel() * tmp.element_size()
+
+    def run_pipelined(self) -> None:
+        n = len(self.prog)
+        if n == 0:
+            return
+        self.post_recvs(0)
+        for k in range(self.nseg(self.prog[0][0])):
+            self.issue_sends(0, k)
+        for s in range(n):
+            if s + 1 < n:
+                self.post_recvs(s + 1)
+            items = self.posted.pop(s)
+            nk = self.nseg(self.prog[s][1])
+            i = 0
+            for k in range(nk):
+                while i < len(items) and items[i][1] == k:
+                    t, _, tmp, req = items[i]
+                    req.wait()
+                    self.apply(t, k, tmp)
+                    i += 1
+                if s + 1 < n:
+                    self.issue_sends(s + 1, k)
+            if s + 1 < n:
+                for k in range(nk, self.nseg(self.prog[s + 1][0])):
+                    self.issue_sends(s + 1, k)
+        for req, _ in self.sends:
+            req.wait()
+
+    def run_grouped(self) -> None:
+        for sends, recvs in self.prog:
+            out: list[tuple[torch.Tensor, int]] = []
+            for k in range(self.nseg(sends)):
+                for t in sends:
+                    if k < len(self.segs[t.chunk]):
+                        data = self.payload(t, k)
+                        self.count_send(data)
+                        out.append((data, t.dst))
+            inc: list[tuple[Transfer, int, torch.Tensor]] = []
+            for k in range(self.nseg(recvs)):
+                for t in recvs:
+                    if k < len(self.segs[t.chunk]):
+                        ln = self.segs[t.chunk][k][1]
+                        tmp = torch.empty(ln, dtype=self.wire, device=self.work.device)
+                        inc.append((t, k, tmp))
+            reqs = self.comm.exchange(out, [(tmp, t.src) for t, _, tmp in inc])
+            for req in reqs:
+                req.wait()
+            for t, k, tmp in inc:
+                self.apply(t, k, tmp)
+
+
+def execute(
+    schedule: Schedule,
+    comm: Communicator,
+    work: torch.Tensor,
+    *,
+    wire_dtype: torch.dtype | None = None,
+    segment_elems: int = DEFAULT_SEGMENT_BYTES // 4,
+    stats: CollectiveStats | None = None,
+) -> CollectiveStats:
+    """Run this rank's part of ``schedule`` on the flat buffer ``work``, in place.
+
+    Parameters
+    ----------
+    schedule : Schedule
+        Must have ``world_size == comm.world_size`` and ``numel == work.numel()``; every rank
+        must pass an equal schedule and the same ``segment_elems`` and ``wire_dtype``
+        (:func:`fedagg.collectives.all_reduce` checks this with a header exchange).
+    comm : Communicator
+        Transport of this rank.
+    work : torch.Tensor
+        1-D contiguous accumulation buffer (float32 or float64).
+    wire_dtype : torch.dtype, optional
+        Dtype of messages; defaults to ``work.dtype``.
+    segment_elems : int
+        Pipelining segment length in elements.
+    stats : CollectiveStats, optional
+        Counters to add to; a new object is returned if omitted.
+
+    Returns
+    -------
+    CollectiveStats
+        The counters (bytes and messages sent / received, steps).
+    """
+    stats = CollectiveStats() if stats is None else stats
+    run = _Run(
+        schedule, comm, work, work.dtype if wire_dtype is None else wire_dtype, segment_elems, stats
+    )
+    if comm.pipelined:
+        run.run_pipelined()
+    else:
+        run.run_grouped()
+    stats.steps += schedule.num_steps
+    return stats
