@@ -1,0 +1,178 @@
+"""The ``fedagg`` command.
+
+``fedagg simulate [--config FILE] [-c key=value ...] [--seed N]``
+    Run a federation in Flower's simulation engine with live progress, a final table and
+    ``runs/<id>/`` outputs (metrics.json, metrics.csv, model.pt / model.npz, metrics.png).
+``fedagg config show|validate [--config FILE] [-c key=value ...]``
+    Print the effective configuration as TOML, or just validate it.
+``fedagg config reference``
+    Print the configuration reference (docs/configuration.md).
+``fedagg bench allreduce [...]``
+    The intra-site all-reduce benchmark (see docs/benchmarks.md).
+
+This is the only core module allowed to import Flower, and only lazily inside a command.
+Bad configuration exits with status 2 and a message naming the field, the value, the rule and
+the fix; never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from fedagg.config import RunConfig, load_config, reference_markdown
+from fedagg.errors import FedaggError
+
+__all__ = ["main"]
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="TOML run configuration")
+    p.add_argument("-c", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a setting, e.g. -c train.lr=0.05 (repeatable)")
+
+
+def _config(args: argparse.Namespace, extra: Sequence[str] = ()) -> RunConfig:
+    return load_config(args.config, [*args.overrides, *extra])
+
+
+def _toml(cfg: RunConfig) -> str:
+    lines: list[str] = []
+    for section, values in cfg.model_dump(mode="json").items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if value is None:
+                lines.append(f"# {key} = (unset)")
+            else:
+                lines.append(f"{key} = {json.dumps(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    if args.action == "reference":
+        print(reference_markdown())
+        return 0
+    cfg = _config(args)
+    if args.action == "show":
+        print(_toml(cfg))
+    else:
+        print("configuration is valid")
+    return 0
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    extra = [f"run.seed={args.seed}"] if args.seed is not None else []
+    cfg = _config(args, extra)
+    os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    from rich.console import Console
+    from rich.table import Table
+
+    from clients.app import app as client_app
+    from server.app import make_app, new_run_dir
+
+    console = Console(stderr=False)
+    run_dir = Path(args.run_dir) if args.run_dir else new_run_dir(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    records: list[dict[str, Any]] = []
+
+    def on_round(rec: dict[str, Any]) -> None:
+        records.append(rec)
+        acc = "-" if rec.get("accuracy") is None else f"{rec['accuracy']:.4f}"
+        loss = "-" if rec.get("loss") is None else f"{rec['loss']:.4f}"
+        console.print(f"round {rec['round']:>3}/{cfg.run.rounds}  accuracy {acc}  loss {loss}  "
+                      f"up {rec.get('bytes_up', 0) / 1e6:7.3f} MB  down {rec.get('bytes_down', 0) / 1e6:7.3f} MB  "
+                      f"{rec.get('seconds', 0.0):6.2f} s")
+
+    console.print(f"[bold]fedagg simulate[/]: {cfg.run.sites} sites, {cfg.run.rounds} rounds, "
+                  f"{cfg.data.dataset} ({cfg.data.partitioner}), strategy {cfg.strategy.name} -> {run_dir}")
+    _quiet_flower(args.verbose)
+    from flwr.simulation import run_simulation
+
+    run_simulation(
+        server_app=make_app(cfg, run_dir, on_round=on_round),
+        client_app=client_app,
+        num_supernodes=cfg.run.sites,
+        backend_config={
+            "client_resources": {"num_cpus": cfg.simulation.num_cpus, "num_gpus": cfg.simulation.num_gpus},
+            "init_args": {"log_to_driver": bool(args.verbose), "include_dashboard": False},
+        },
+        verbose_logging=bool(args.verbose),
+    )
+    if len(records) < cfg.run.rounds + 1:
+        console.print(f"[red]the run stopped after {max(len(records) - 1, 0)} of {cfg.run.rounds} rounds; "
+                      f"see the log above[/]")
+        return 1
+    table = Table(title=f"fedagg run {run_dir.name}")
+    for col in ("round", "accuracy", "loss", "MB up", "MB down", "seconds"):
+        table.add_column(col, justify="right")
+    for rec in records:
+        table.add_row(str(rec["round"]),
+                      "-" if rec.get("accuracy") is None else f"{rec['accuracy']:.4f}",
+                      "-" if rec.get("loss") is None else f"{rec['loss']:.4f}",
+                      f"{rec.get('bytes_up', 0) / 1e6:.3f}", f"{rec.get('bytes_down', 0) / 1e6:.3f}",
+                      f"{rec.get('seconds', 0.0):.2f}")
+    console.print(table)
+    console.print(f"outputs: {run_dir}/metrics.json, metrics.csv, metrics.png, model.pt")
+    return 0
+
+
+def _quiet_flower(verbose: bool) -> None:
+    if verbose:
+        return
+    for name in ("flwr", "ray"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    if args.what == "allreduce":
+        from fedagg.collectives.bench import main as bench_main
+
+        return int(bench_main(rest))
+    print(f"unknown benchmark {args.what!r}", file=sys.stderr)
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``fedagg`` command."""
+    parser = argparse.ArgumentParser(prog="fedagg", description="Federated aggregation on Flower.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sim = sub.add_parser("simulate", help="run a federation in Flower's simulation engine")
+    _add_config_args(sim)
+    sim.add_argument("--seed", type=int, help="seed (same as -c run.seed=N)")
+    sim.add_argument("--run-dir", help="write outputs here instead of runs/<name>-<time>")
+    sim.add_argument("-v", "--verbose", action="store_true", help="show Flower's and Ray's logs")
+    cfg = sub.add_parser("config", help="show or validate a configuration")
+    cfg.add_argument("action", choices=["show", "validate", "reference"])
+    _add_config_args(cfg)
+    bench = sub.add_parser("bench", help="run a benchmark (extra arguments are passed on)")
+    bench.add_argument("what", choices=["allreduce"])
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``fedagg`` command; returns the exit status."""
+    parser = build_parser()
+    args, rest = parser.parse_known_args(list(argv) if argv is not None else None)
+    if rest and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        if args.command == "config":
+            return _cmd_config(args)
+        if args.command == "simulate":
+            return _cmd_simulate(args)
+        return _cmd_bench(args, rest)
+    except FedaggError as exc:
+        print(f"fedagg: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

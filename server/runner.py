@@ -1,0 +1,108 @@
+"""The server's round loop: strategy rounds, centralized evaluation, metrics, outputs.
+
+Used by the ServerApp (``server.app``) in both simulation and deployment, and by
+``fedagg simulate``. One round: the strategy trains (one or more exchanges, see
+:func:`strategies.base.run_train_round`), the global model changes only when the strategy
+returns new arrays, then the model is evaluated centrally on the held-out test split and a
+per-round record is appended to ``metrics.json`` / ``metrics.csv``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord
+from flwr.serverapp import Grid
+
+from fedagg.config import RunConfig
+from fedagg.data import load_dataset
+from fedagg.models import build_model, set_weights
+from fedagg.report import atomic_write_bytes, write_metrics, write_plot
+from fedagg.training import evaluate
+from strategies._records import arrays_to_record, config_to_record, record_to_arrays
+from strategies.base import run_train_round
+from strategies.registry import build_strategy
+
+__all__ = ["RoundCallback", "client_config", "run_server"]
+
+_log = logging.getLogger(__name__)
+
+RoundCallback = Callable[[dict[str, Any]], None]
+
+_CLIENT_SECTIONS = ("data", "model", "train", "site", "compression", "secagg")
+
+
+def client_config(cfg: RunConfig) -> ConfigRecord:
+    """The part of the run config that sites need, as a flat ConfigRecord."""
+    dumped = cfg.model_dump(mode="json")
+    nested: dict[str, Any] = {k: dumped[k] for k in _CLIENT_SECTIONS}
+    nested["run"] = {"seed": cfg.run.seed, "sites": cfg.run.sites}
+    return config_to_record(nested)
+
+
+def run_server(grid: Grid, cfg: RunConfig, run_dir: str | Path | None, *,
+               on_round: RoundCallback | None = None) -> list[dict[str, Any]]:
+    """Run ``cfg.run.rounds`` rounds; return the per-round records (also written to run_dir)."""
+    ds = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir,
+                      test_fraction=cfg.data.test_fraction, seed=cfg.run.seed)
+    model = build_model(cfg.model.name, ds.input_shape, ds.num_classes, seed=cfg.run.seed)
+    keys = list(model.state_dict().keys())
+    arrays = arrays_to_record([t.detach().numpy().copy() for t in model.state_dict().values()], keys)
+    strategy = build_strategy(cfg)
+    out = Path(run_dir) if run_dir else None
+
+    def central_eval(rec: ArrayRecord) -> tuple[float, float]:
+        _, weights = record_to_arrays(rec)
+        set_weights(model, weights)
+        return evaluate(model, ds.x_test, ds.y_test)
+
+    loss0, acc0 = central_eval(arrays)
+    records: list[dict[str, Any]] = [{"round": 0, "accuracy": acc0, "loss": loss0, "bytes_up": 0,
+                                      "bytes_down": 0, "seconds": 0.0}]
+    if on_round:
+        on_round(records[0])
+    for rnd in range(1, cfg.run.rounds + 1):
+        t0 = time.perf_counter()
+        result = run_train_round(strategy, grid, rnd, arrays, client_config(cfg), cfg.run.round_timeout)
+        if result.arrays is not None:
+            arrays = result.arrays
+        t1 = time.perf_counter()
+        rec: dict[str, Any] = {"round": rnd, "accuracy": None, "loss": None}
+        if rnd % cfg.run.evaluate_every == 0 or rnd == cfg.run.rounds:
+            loss, acc = central_eval(arrays)
+            rec.update(accuracy=acc, loss=loss)
+        rec.update(
+            bytes_up=result.bytes_up, bytes_down=result.bytes_down, exchanges=result.exchanges,
+            sites_sampled=result.sampled, sites_replied=result.replies, sites_failed=result.failures,
+            sites_rejected=len(result.rejected), model_updated=result.arrays is not None,
+            seconds=time.perf_counter() - t0, seconds_train=t1 - t0,
+            seconds_eval=time.perf_counter() - t1,
+        )
+        if result.metrics is not None:
+            rec["train_loss"] = result.metrics.get("train-loss")
+        for phase, sec in result.seconds.items():
+            rec[f"seconds_{phase}"] = sec
+        if result.rejected:
+            rec["rejected"] = result.rejected
+        records.append(rec)
+        if out is not None:
+            write_metrics(out, records)
+        if on_round:
+            on_round(rec)
+    if out is not None:
+        write_metrics(out, records)
+        _, final = record_to_arrays(arrays)
+        np.savez(out / "model.npz", **{k: v for k, v in zip(keys, final, strict=True)})
+        set_weights(model, final)
+        buf_path = out / "model.pt"
+        torch.save(model.state_dict(), buf_path.with_suffix(".pt.tmp"))
+        buf_path.with_suffix(".pt.tmp").replace(buf_path)
+        write_plot(out, records, title=f"{cfg.run.name}: {cfg.strategy.name} on {cfg.data.dataset}")
+        atomic_write_bytes(out / "config.json", cfg.model_dump_json(indent=2).encode())
+    return records
