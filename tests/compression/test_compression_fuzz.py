@@ -1,0 +1,240 @@
+"""Malformed wire payloads: every one must raise CodecError, quickly and without big allocations."""
+
+from __future__ import annotations
+
+import struct
+import tracemalloc
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fedagg.compression import (
+    Chain,
+    Int8,
+    Payload,
+    SharedSupport,
+    TensorPayload,
+    TopK,
+    WireDType,
+    codec,
+)
+from fedagg.errors import CodecError
+
+T0 = 10  # offset of the first tensor header
+HDR = struct.Struct("<BBBBIQ")
+
+
+def _valid_messages() -> list[bytes]:
+    rng = np.random.default_rng(1)
+    x = [rng.normal(size=(6, 5)).astype(np.float32), rng.normal(size=9).astype(np.float32)]
+    msgs = [
+        codec.encode(TopK(0.3).compress(x, rng=rng)),
+        codec.encode(Chain(TopK(0.5), Int8(4)).compress(x, rng=rng)),
+        codec.encode(Int8(7).compress(x, rng=rng)),
+        codec.encode(SharedSupport(np.arange(0, 39, 3)).compress(x, rng=rng)),
+        codec.encode(
+            Payload(
+                (
+                    TensorPayload(
+                        (70000,),
+                        WireDType.FLOAT16,
+                        np.ones(3, np.float16),
+                        indices=np.array([5, 300, 69999], np.int64),
+                    ),
+                )
+            )
+        ),
+    ]
+    return msgs
+
+
+def _patch(data: bytes, offset: int, fmt: str, value: int | float) -> bytes:
+    b = bytearray(data)
+    struct.pack_into(fmt, b, offset, value)
+    return bytes(b)
+
+
+def _single(t: TensorPayload) -> bytes:
+    return codec.encode(Payload((t,)))
+
+
+def _malformed() -> list[tuple[str, bytes]]:
+    cases: list[tuple[str, bytes]] = []
+    msgs = _valid_messages()
+    # 1. every strict prefix of every valid message (truncation)
+    for m, data in enumerate(msgs):
+        cases += [(f"msg{m} truncated to {n}", data[:n]) for n in range(len(data))]
+    # 2. trailing garbage
+    for m, data in enumerate(msgs):
+        cases += [(f"msg{m} + {n} bytes", data + b"\x00" * n) for n in (1, 2, 7, 100)]
+    base = msgs[0]  # TopK float32, two sparse tensors
+    # 3. header fields
+    cases += [(f"magic {bytes([b])}", bytes([b]) + base[1:]) for b in range(256) if b != ord("F")]
+    cases += [(f"version {v}", _patch(base, 4, "<B", v)) for v in range(256) if v != 1]
+    cases += [(f"flags {v}", _patch(base, 5, "<B", v)) for v in (1, 2, 128, 255)]
+    cases += [
+        (f"n_tensors {n}", _patch(base, 6, "<I", n)) for n in (0, 1, 3, 4, 1000, 2**31, 2**32 - 1)
+    ]
+    # 4. tensor header fields
+    cases += [(f"dtype {d}", _patch(base, T0, "<B", d)) for d in range(256) if d not in (1, 2, 3, 4)]
+    cases += [
+        (f"index code {c}", _patch(base, T0 + 1, "<B", c)) for c in range(256) if c not in (1,)
+    ]
+    cases += [(f"ndim {n}", _patch(base, T0 + 2, "<B", n)) for n in (0, 1, 3, 33, 64, 255)]
+    cases += [(f"reserved {n}", _patch(base, T0 + 3, "<B", n)) for n in (1, 255)]
+    cases += [(f"chunk {n}", _patch(base, T0 + 4, "<I", n)) for n in (1, 4, 2**32 - 1)]
+    cases += [
+        (f"nnz {n}", _patch(base, T0 + 8, "<Q", n))
+        for n in (0, 1, 8, 10, 31, 2**20, 2**40, 2**63, 2**64 - 1)
+    ]
+    cases += [
+        (f"shape[0] {n}", _patch(base, T0 + 16, "<Q", n))
+        for n in (0, 1, 2, 2**31, 2**40, 2**64 - 1)
+    ]
+    cases += [(f"shape[1] {n}", _patch(base, T0 + 24, "<Q", n)) for n in (0, 1, 2**40, 2**64 - 1)]
+    # 5. indices: duplicates and out of range
+    t = TensorPayload((10,), WireDType.FLOAT32, np.ones(3, np.float32), indices=np.array([1, 2, 9]))
+    good = _single(t)
+    idx_at = T0 + 16 + 8  # u8 deltas 1, 1, 7
+    cases += [(f"delta[1] = 0 (duplicate) {good!r}", _patch(good, idx_at + 1, "<B", 0))]
+    cases += [(f"delta[2] = 0 (duplicate)", _patch(good, idx_at + 2, "<B", 0))]
+    cases += [(f"delta[2] = {d} (out of range)", _patch(good, idx_at + 2, "<B", d)) for d in range(8, 256)]
+    cases += [(f"delta[0] = {d} (out of range)", _patch(good, idx_at, "<B", d)) for d in range(10, 256)]
+    wide = _single(
+        TensorPayload((70000,), WireDType.FLOAT32, np.ones(2, np.float32), indices=np.array([0, 69999]))
+    )
+    cases += [
+        (f"u32 delta {d}", _patch(wide, T0 + 24 + 4, "<I", d))
+        for d in (0, 70000, 2**31, 2**32 - 1)
+    ]
+    # 6. scales: NaN, inf, negative
+    q = _single(
+        TensorPayload(
+            (4,), WireDType.INT8, np.ones(4, np.int8), scales=np.ones(2, np.float32), chunk_size=2
+        )
+    )
+    sc = len(q) - 8
+    for bad in (float("nan"), float("inf"), float("-inf"), -1.0, -1e-30):
+        cases += [(f"scale0 {bad}", _patch(q, sc, "<f", bad)), (f"scale1 {bad}", _patch(q, sc + 4, "<f", bad))]
+    cases += [(f"int8 chunk {c}", _patch(q, T0 + 4, "<I", c)) for c in (0, 1, 4, 5, 2**32 - 1)]
+    # 7. dense tensor whose nnz disagrees with its shape, claims huge shapes
+    d = _single(TensorPayload((4,), WireDType.FLOAT32, np.ones(4, np.float32)))
+    cases += [(f"dense nnz {n}", _patch(d, T0 + 8, "<Q", n)) for n in (0, 3, 5, 2**40)]
+    cases += [
+        (f"dense shape {n} + nnz", _patch(_patch(d, T0 + 16, "<Q", n), T0 + 8, "<Q", n))
+        for n in (5, 2**20, 2**40, 2**63)
+    ]
+    # 8. shared-support tensor with nnz > numel
+    s = _single(TensorPayload((4,), WireDType.FLOAT32, np.ones(2, np.float32), implicit_indices=True))
+    cases += [(f"shared nnz {n}", _patch(s, T0 + 8, "<Q", n)) for n in (3, 5, 2**40)]
+    return cases
+
+
+CASES = _malformed()
+
+
+@pytest.mark.parametrize("delta", [0, 2**33, 2**63, 2**64 - 1])
+def test_u64_delta_out_of_range(delta: int) -> None:
+    numel = 2**33 + 1
+    t = TensorPayload(
+        (numel,), WireDType.FLOAT32, np.ones(2, np.float32), indices=np.array([1, 2**33])
+    )
+    data = codec.encode(Payload((t,)))
+    assert data[T0 + 1] == 4  # u64 deltas
+    assert codec.decode(data, max_elements=2**34).tensors[0].nnz == 2
+    bad = _patch(data, T0 + 24 + 8, "<Q", delta)
+    with pytest.raises(CodecError):
+        codec.decode(bad, max_elements=2**34)
+
+
+def test_at_least_1000_malformed_cases() -> None:
+    assert len(CASES) >= 1000
+
+
+def test_every_malformed_payload_raises_codec_error() -> None:
+    failures: list[str] = []
+    for name, data in CASES:
+        try:
+            codec.decode(data)
+        except CodecError:
+            continue
+        except Exception as exc:  # the test's point: no other exception type
+            failures.append(f"{name}: {type(exc).__name__}: {exc}")
+        else:
+            failures.append(f"{name}: decoded without error")
+    assert not failures, "\n".join(failures[:20])
+
+
+def _peak_bytes(fn: Callable[[], object]) -> int:
+    tracemalloc.start()
+    try:
+        try:
+            fn()
+        except CodecError:
+            pass
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize(
+    "claim",
+    [
+        # dense tensor claiming 2**40 elements, 16 bytes of actual data
+        lambda: HDR.pack(1, 0, 1, 0, 0, 2**40) + struct.pack("<Q", 2**40) + b"\x00" * 16,
+        # sparse tensor claiming 2**40 values with u64 indices
+        lambda: HDR.pack(1, 4, 1, 0, 0, 2**40) + struct.pack("<Q", 2**41) + b"\x00" * 16,
+        # int8 claiming 2**40 values and a chunk size of 1 (2**40 scales)
+        lambda: HDR.pack(4, 0, 1, 0, 1, 2**40) + struct.pack("<Q", 2**40) + b"\x00" * 16,
+        # sparse claim within max_elements shape but nnz far beyond the bytes
+        lambda: HDR.pack(1, 4, 1, 0, 0, 2**30) + struct.pack("<Q", 2**31) + b"\x00" * 16,
+    ],
+)
+def test_huge_claims_rejected_without_allocation(claim: Callable[[], bytes]) -> None:
+    data = b"FAGC\x01\x00" + struct.pack("<I", 1) + claim()
+    with pytest.raises(CodecError):
+        codec.decode(data)
+    assert _peak_bytes(lambda: codec.decode(data)) < 1 << 20
+
+
+def test_many_tensor_headers_claim_rejected() -> None:
+    data = b"FAGC\x01\x00" + struct.pack("<I", 2**32 - 1) + b"\x00" * 64
+    assert _peak_bytes(lambda: codec.decode(data)) < 1 << 20
+    with pytest.raises(CodecError, match="n_tensors"):
+        codec.decode(data)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.integers(0, 4),
+    st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), min_size=1, max_size=6),
+)
+def test_random_byte_mutations_never_raise_anything_but_codec_error(
+    which: int, edits: list[tuple[int, int]]
+) -> None:
+    data = bytearray(_MESSAGES[which])
+    for pos, byte in edits:
+        data[pos % len(data)] = byte
+    try:
+        p = codec.decode(bytes(data))
+    except CodecError:
+        return
+    # a mutation that still decodes must be a fully valid payload that re-encodes identically
+    p.validate()
+    assert codec.encode(p) == bytes(data)
+
+
+_MESSAGES = _valid_messages()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(min_size=0, max_size=200))
+def test_random_bytes_with_magic(blob: bytes) -> None:
+    for data in (blob, b"FAGC\x01\x00" + blob):
+        try:
+            codec.decode(data)
+        except CodecError:
+            pass
