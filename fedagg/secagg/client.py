@@ -1,0 +1,454 @@
+"""The site (client) side of secure aggregation as a serialisable state machine.
+
+Stages and the messages that move between them (see ``docs/protocols/secagg.md``)::
+
+    NEW/any --KeyAdvertiseRequest--> ADVERTISED --ShareKeysRequest--> READY
+    READY/UPLOADED/UNMASKED --RoundRequest(+update)--> UPLOADED --UnmaskRequest--> UNMASKED
+
+Every handler checks its preconditions (stage, epoch, strictly increasing round, neighbour
+lists recomputed from public data) and raises :class:`~fedagg.errors.ProtocolError` when they
+fail, before touching any secret. Mask keys are single use: every upload carries the public
+half and encrypted shares of the *next* mask key, and the used secret is dropped, so a key
+reconstructed after a dropout exposes one round only (see the threat model in the docs).
+
+Protocol: Bonawitz et al., CCS 2017 (double masking, section 4) on the neighbour graph of
+Bell et al., CCS 2020 (SecAgg+).
+"""
+
+from __future__ import annotations
+
+import logging
+from enum import IntEnum
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from fedagg.errors import AbortRound, ProtocolError, VerificationError, explain
+from fedagg.secagg import fixed_point, shamir
+from fedagg.secagg.graph import graph_seed, harary_graph
+from fedagg.secagg.keys import (
+    KEY_BYTES,
+    RandomBytes,
+    SecretKey,
+    ShareKind,
+    check_public_key,
+    decrypt_share,
+    encrypt_share,
+    pairwise_mask_key,
+    self_mask_key,
+)
+from fedagg.secagg.masking import add_masks, pairwise_sign
+from fedagg.secagg.messages import (
+    KeyAdvertise,
+    KeyAdvertiseRequest,
+    MaskedUpload,
+    MessageDict,
+    RoundRequest,
+    ShareKeys,
+    ShareKeysRequest,
+    UnmaskRequest,
+    UnmaskResponse,
+    split_blob,
+)
+from fedagg.secagg.params import SecAggParams
+
+__all__ = ["ClientStage", "ClientState"]
+
+logger = logging.getLogger(__name__)
+_STATE_VERSION = 1
+
+
+class ClientStage(IntEnum):
+    """Where a site is in the protocol."""
+
+    NEW = 0
+    ADVERTISED = 1
+    READY = 2
+    UPLOADED = 3
+    UNMASKED = 4
+
+
+def _split_keys(blob: bytes, count: int, field: str) -> list[bytes]:
+    if len(blob) != count * KEY_BYTES:
+        raise ProtocolError(explain(field, len(blob), f"must be {count} x 32 bytes", "resend"))
+    return [blob[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in range(count)]
+
+
+def _ids(values: Any) -> tuple[int, ...]:
+    return tuple(int(v) for v in np.asarray(values, dtype=np.int64).reshape(-1))
+
+
+class ClientState:
+    """Secure-aggregation state of one site.
+
+    Parameters
+    ----------
+    site : int
+        This site's id (``>= 0``; Shamir evaluation point ``site + 1``).
+    params : SecAggParams
+        Public parameters; must equal the server's (checked through a digest).
+    random_bytes : callable
+        ``random_bytes(n)`` -> ``n`` bytes for keys, seeds, Shamir coefficients and nonces
+        (``os.urandom`` in deployment; a seeded generator in tests).
+    """
+
+    def __init__(self, site: int, params: SecAggParams, *, random_bytes: RandomBytes) -> None:
+        if not isinstance(site, int) or site < 0 or site >= shamir.PRIME - 1:
+            raise ProtocolError(explain("site", site, "must be an int in [0, 2^31 - 2)", "-"))
+        self.site = site
+        self.params = params
+        self._random_bytes = random_bytes
+        self._reset(b"", 0)
+
+    def _reset(self, run_id: bytes, epoch: int) -> None:
+        self.stage = ClientStage.NEW
+        self.run_id = run_id
+        self.epoch = epoch
+        self.round = 0
+        self.gen = 0
+        self._c: SecretKey | None = None
+        self._s: SecretKey | None = None
+        self.roster: tuple[int, ...] = ()
+        self.neighbours: tuple[int, ...] = ()
+        self._neighbour_c: dict[int, bytes] = {}
+        self._round_gens: dict[int, int] = {}
+        self._revealed_b: set[int] = set()
+        self._revealed_s: set[int] = set()
+        self._revealed_keys: set[tuple[int, int]] = set()
+
+    def __repr__(self) -> str:
+        return (
+            f"ClientState(site={self.site}, stage={self.stage.name}, epoch={self.epoch}, "
+            f"round={self.round}, gen={self.gen})"
+        )
+
+    # -- helpers -------------------------------------------------------------------------
+    def _require(self, stages: tuple[ClientStage, ...], epoch: int, what: str) -> None:
+        if self.stage not in stages:
+            raise ProtocolError(
+                explain(what, self.stage.name, f"not allowed in this stage ({what})", "restart")
+            )
+        if epoch != self.epoch:
+            raise ProtocolError(
+                explain("epoch", epoch, f"this site is in epoch {self.epoch}", "re-key first")
+            )
+
+    def _secret(self, key: SecretKey | None) -> SecretKey:
+        if key is None:  # unreachable when the stage checks pass
+            raise ProtocolError("no key material in this stage")
+        return key
+
+    def _encrypt_shares(
+        self, secret: bytes, recipients: tuple[int, ...], kind: ShareKind, counter: int
+    ) -> bytes:
+        shares = shamir.split(
+            secret, [j + 1 for j in recipients], self.params.threshold, self._random_bytes
+        )
+        c = self._secret(self._c)
+        return b"".join(
+            encrypt_share(
+                c,
+                self._neighbour_c[j],
+                share.to_bytes(),
+                run_id=self.run_id,
+                epoch=self.epoch,
+                kind=kind,
+                counter=counter,
+                src=self.site,
+                dst=j,
+                random_bytes=self._random_bytes,
+            )
+            for j, share in zip(recipients, shares, strict=True)
+        )
+
+    def _decrypt_share(self, src: int, blob: bytes, kind: ShareKind, counter: int) -> shamir.Share:
+        plain = decrypt_share(
+            self._secret(self._c),
+            self._neighbour_c[src],
+            blob,
+            run_id=self.run_id,
+            epoch=self.epoch,
+            kind=kind,
+            counter=counter,
+            src=src,
+            dst=self.site,
+        )
+        try:
+            share = shamir.Share.from_bytes(plain)
+        except ProtocolError:
+            raise VerificationError() from None
+        if share.x != self.site + 1:
+            raise VerificationError()
+        return share
+
+    # -- setup ---------------------------------------------------------------------------
+    def handle_advertise(self, request: KeyAdvertiseRequest) -> KeyAdvertise:
+        """Setup exchange 1: make fresh ``c`` and ``s`` key pairs for a new epoch."""
+        if request.params_digest != self.params.digest():
+            raise ProtocolError(
+                explain("secagg params", "digest mismatch", "site and server differ", "align")
+            )
+        if self.site not in request.roster:
+            raise ProtocolError(explain("roster", "site absent", "site not invited", "-"))
+        if request.run_id == self.run_id and request.epoch <= self.epoch:
+            raise ProtocolError(
+                explain("epoch", request.epoch, f"must be > {self.epoch} (replay?)", "new epoch")
+            )
+        self._reset(request.run_id, request.epoch)
+        self._c = SecretKey.generate(self._random_bytes)
+        self._s = SecretKey.generate(self._random_bytes)
+        self.stage = ClientStage.ADVERTISED
+        logger.debug("site %d: advertised keys for epoch %d", self.site, self.epoch)
+        return KeyAdvertise(
+            site=self.site,
+            epoch=self.epoch,
+            c_public=self._c.public_bytes(),
+            s_public=self._s.public_bytes(),
+        )
+
+    def handle_share_keys(self, request: ShareKeysRequest) -> ShareKeys:
+        """Setup exchange 2: share the generation-0 mask key among the graph neighbours."""
+        self._require((ClientStage.ADVERTISED,), request.epoch, "share keys")
+        roster = tuple(sorted(set(request.roster)))
+        if self.site not in roster or len(roster) != len(request.roster):
+            raise ProtocolError(explain("roster", "invalid", "must list this site once", "-"))
+        try:
+            k = self.params.neighbours_for(len(roster))
+        except ProtocolError:
+            raise
+        except ValueError as err:
+            raise AbortRound(str(err)) from err
+        graph = harary_graph(roster, k, graph_seed(self.run_id, self.epoch, roster))
+        if tuple(request.neighbours) != graph[self.site]:
+            raise ProtocolError(
+                explain("neighbours", list(request.neighbours), "differ from the graph", "-")
+            )
+        keys = _split_keys(request.neighbour_c_public, len(request.neighbours), "c_public")
+        self.roster = roster
+        self.neighbours = graph[self.site]
+        self._neighbour_c = {
+            j: check_public_key(pk) for j, pk in zip(self.neighbours, keys, strict=True)
+        }
+        blob = self._encrypt_shares(
+            self._secret(self._s).secret_bytes(), self.neighbours, ShareKind.MASK_KEY, 0
+        )
+        self.gen = 0
+        self.stage = ClientStage.READY
+        logger.debug("site %d: shared mask key with %d neighbours", self.site, len(keys))
+        return ShareKeys(
+            site=self.site, epoch=self.epoch, gen=0, recipients=self.neighbours, ciphertexts=blob
+        )
+
+    # -- round ---------------------------------------------------------------------------
+    def handle_round(
+        self,
+        request: RoundRequest,
+        update: NDArray[np.floating[Any]],
+        weight: float,
+        *,
+        rng: np.random.Generator,
+    ) -> MaskedUpload:
+        """Round exchange 1: encode, double-mask and upload ``update`` with its ``weight``.
+
+        Parameters
+        ----------
+        request : RoundRequest
+            The server's round instruction.
+        update : numpy.ndarray
+            The site's update, ``request.dim`` floats (any shape).
+        weight : float
+            Number of examples (``0 <= weight <= params.weight_scale``).
+        rng : numpy.random.Generator
+            Randomness of the stochastic rounding.
+        """
+        stages = (ClientStage.READY, ClientStage.UPLOADED, ClientStage.UNMASKED)
+        self._require(stages, request.epoch, "round")
+        if request.round <= self.round:
+            raise ProtocolError(
+                explain("round", request.round, f"must be > {self.round} (replay?)", "next round")
+            )
+        participants = tuple(request.participants)
+        if (
+            self.site not in participants
+            or len(set(participants)) != len(participants)
+            or not set(participants) <= set(self.roster)
+        ):
+            raise ProtocolError(explain("participants", "invalid", "must be roster ids", "-"))
+        if request.gen != self.gen:
+            raise ProtocolError(
+                explain("gen", request.gen, f"this site holds key generation {self.gen}", "re-key")
+            )
+        nbrs = tuple(j for j in self.neighbours if j in set(participants))
+        if tuple(request.neighbours) != nbrs or len(request.neighbour_gens) != len(nbrs):
+            raise ProtocolError(explain("neighbours", "mismatch", "differ from the graph", "-"))
+        gens = dict(zip(nbrs, request.neighbour_gens, strict=True))
+        if any((j, g) in self._revealed_keys for j, g in gens.items()):
+            raise ProtocolError(
+                explain("neighbour_gens", "revealed key", "a neighbour key was rebuilt", "re-key")
+            )
+        if len(nbrs) < self.params.threshold:
+            raise AbortRound(
+                explain("neighbours", len(nbrs), f"fewer than threshold={self.params.threshold}", "-")
+            )
+        pks = _split_keys(request.neighbour_s_public, len(nbrs), "neighbour_s_public")
+        values = np.asarray(update, dtype=np.float64).reshape(-1)
+        if values.size != request.dim:
+            raise ProtocolError(explain("update size", values.size, f"must be {request.dim}", "-"))
+        frac_bits = self.params.frac_bits_for(len(participants))
+        weight_q = fixed_point.quantize_weight(float(weight), self.params.weight_scale, frac_bits)
+        vector = fixed_point.encode(
+            values, weight_q, frac_bits=frac_bits, clip=self.params.clip, rng=rng
+        )
+        s = self._secret(self._s)
+        seed = bytes(self._random_bytes(shamir.SECRET_BYTES))
+        signed = [
+            (1, self_mask_key(seed, run_id=self.run_id, epoch=self.epoch,
+                              round_number=request.round, site=self.site))
+        ]
+        for j, pk in zip(nbrs, pks, strict=True):
+            key = pairwise_mask_key(s.exchange(pk), run_id=self.run_id, epoch=self.epoch,
+                                    round_number=request.round, a=self.site, b=j)
+            signed.append((pairwise_sign(self.site, j), key))
+        add_masks(vector, signed)
+        b_blob = self._encrypt_shares(seed, nbrs, ShareKind.SELF_MASK_SEED, request.round)
+        nxt = SecretKey.generate(self._random_bytes)
+        next_blob = self._encrypt_shares(
+            nxt.secret_bytes(), self.neighbours, ShareKind.MASK_KEY, self.gen + 1
+        )
+        self._s, self.gen = nxt, self.gen + 1  # the used key is forgotten here
+        self.round = request.round
+        self._round_gens = gens
+        self._revealed_b, self._revealed_s = set(), set()
+        self.stage = ClientStage.UPLOADED
+        logger.debug(
+            "site %d: uploaded round %d (%d neighbours, %d values)",
+            self.site, self.round, len(nbrs), values.size,
+        )
+        return MaskedUpload(
+            site=self.site,
+            epoch=self.epoch,
+            round=self.round,
+            masked=vector,
+            b_recipients=nbrs,
+            b_ciphertexts=b_blob,
+            next_gen=self.gen,
+            next_s_public=nxt.public_bytes(),
+            next_recipients=self.neighbours,
+            next_ciphertexts=next_blob,
+        )
+
+    def handle_unmask(self, request: UnmaskRequest) -> UnmaskResponse:
+        """Round exchange 2: reveal self-mask shares of survivors, key shares of dropouts.
+
+        Never reveals both kinds of share for one site in a round (also across repeated
+        requests), nor a key share of a site that was not a neighbour in this round.
+        """
+        self._require((ClientStage.UPLOADED, ClientStage.UNMASKED), request.epoch, "unmask")
+        if request.round != self.round:
+            raise ProtocolError(explain("round", request.round, f"must be {self.round}", "-"))
+        b_ids, s_ids = tuple(request.b_senders), tuple(request.s_senders)
+        known = set(self._round_gens)
+        for name, ids in (("b_senders", b_ids), ("s_senders", s_ids)):
+            if len(set(ids)) != len(ids) or not set(ids) <= known:
+                raise ProtocolError(explain(name, list(ids), "must be this round's neighbours", "-"))
+        both = (set(b_ids) & set(s_ids)) | (set(b_ids) & self._revealed_s)
+        both |= set(s_ids) & self._revealed_b
+        if both:
+            raise ProtocolError(
+                explain(
+                    "unmask request",
+                    sorted(both),
+                    "asks for both the self-mask and the key share of the same site",
+                    "an honest server never does this; the request is refused",
+                )
+            )
+        if tuple(request.s_gens) != tuple(self._round_gens[j] for j in s_ids):
+            raise ProtocolError(explain("s_gens", list(request.s_gens), "wrong generations", "-"))
+        b_cts = split_blob(request.b_ciphertexts, len(b_ids), "b_ciphertexts")
+        s_cts = split_blob(request.s_ciphertexts, len(s_ids), "s_ciphertexts")
+        b_rows = [
+            self._decrypt_share(j, ct, ShareKind.SELF_MASK_SEED, self.round).y
+            for j, ct in zip(b_ids, b_cts, strict=True)
+        ]
+        s_rows = [
+            self._decrypt_share(j, ct, ShareKind.MASK_KEY, self._round_gens[j]).y
+            for j, ct in zip(s_ids, s_cts, strict=True)
+        ]
+        self._revealed_b |= set(b_ids)
+        self._revealed_s |= set(s_ids)
+        self._revealed_keys |= {(j, self._round_gens[j]) for j in s_ids}
+        self.stage = ClientStage.UNMASKED
+        logger.debug(
+            "site %d: unmask round %d: %d self-mask shares, %d key shares",
+            self.site, self.round, len(b_ids), len(s_ids),
+        )
+
+        def rows(r: list[NDArray[np.uint32]]) -> NDArray[np.uint32]:
+            return np.stack(r) if r else np.empty((0, shamir.NUM_LIMBS), np.uint32)
+
+        return UnmaskResponse(
+            site=self.site,
+            epoch=self.epoch,
+            round=self.round,
+            b_owners=b_ids,
+            b_shares=rows(b_rows),
+            s_owners=s_ids,
+            s_shares=rows(s_rows),
+        )
+
+    # -- persistence -----------------------------------------------------------------------
+    def state_dict(self) -> MessageDict:
+        """Plain ``str -> int | bytes | ndarray`` state (holds secret keys: keep it local)."""
+        nbr_c = b"".join(self._neighbour_c[j] for j in self.neighbours)
+        gens = np.array([[j, g] for j, g in sorted(self._round_gens.items())], np.int64)
+        keys = np.array(sorted(self._revealed_keys), np.int64)
+        return {
+            "version": _STATE_VERSION,
+            "site": self.site,
+            "stage": int(self.stage),
+            "run_id": self.run_id,
+            "epoch": self.epoch,
+            "round": self.round,
+            "gen": self.gen,
+            "c_secret": self._c.secret_bytes() if self._c else b"",
+            "s_secret": self._s.secret_bytes() if self._s else b"",
+            "roster": np.array(self.roster, np.int64),
+            "neighbours": np.array(self.neighbours, np.int64),
+            "neighbour_c_public": nbr_c,
+            "round_gens": gens.reshape(-1),
+            "revealed_b": np.array(sorted(self._revealed_b), np.int64),
+            "revealed_s": np.array(sorted(self._revealed_s), np.int64),
+            "revealed_keys": keys.reshape(-1),
+        }
+
+    def load_state_dict(self, state: MessageDict) -> None:
+        """Restore from :meth:`state_dict` (raises ProtocolError on a foreign or bad state)."""
+        try:
+            if state["version"] != _STATE_VERSION or state["site"] != self.site:
+                raise ProtocolError(explain("state", "site/version", "belongs elsewhere", "-"))
+            run_id, c_raw, s_raw, nbr_c = (
+                state["run_id"], state["c_secret"], state["s_secret"], state["neighbour_c_public"]
+            )
+            if not all(isinstance(v, bytes) for v in (run_id, c_raw, s_raw, nbr_c)):
+                raise ProtocolError(explain("state", "types", "bad byte fields", "-"))
+            assert isinstance(run_id, bytes) and isinstance(c_raw, bytes)  # for mypy
+            assert isinstance(s_raw, bytes) and isinstance(nbr_c, bytes)
+            self._reset(run_id, int(state["epoch"]))  # type: ignore[call-overload]
+            self.stage = ClientStage(int(state["stage"]))  # type: ignore[call-overload]
+            self.round = int(state["round"])  # type: ignore[call-overload]
+            self.gen = int(state["gen"])  # type: ignore[call-overload]
+            self._c = SecretKey(c_raw) if c_raw else None
+            self._s = SecretKey(s_raw) if s_raw else None
+            self.roster = _ids(state["roster"])
+            self.neighbours = _ids(state["neighbours"])
+            keys = _split_keys(nbr_c, len(self.neighbours), "neighbour_c_public")
+            self._neighbour_c = dict(zip(self.neighbours, keys, strict=True))
+            gens = _ids(state["round_gens"])
+            self._round_gens = dict(zip(gens[::2], gens[1::2], strict=True))
+            self._revealed_b = set(_ids(state["revealed_b"]))
+            self._revealed_s = set(_ids(state["revealed_s"]))
+            pairs = _ids(state["revealed_keys"])
+            self._revealed_keys = set(zip(pairs[::2], pairs[1::2], strict=True))
+        except (KeyError, TypeError, ValueError) as err:
+            raise ProtocolError(explain("state", type(err).__name__, "malformed state", "-")) from None

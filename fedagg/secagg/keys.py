@@ -1,0 +1,248 @@
+"""Key agreement, key derivation and share encryption for secure aggregation.
+
+Three primitives, each behind a small function so the protocol code never touches raw
+``cryptography`` objects:
+
+* **X25519** key agreement (RFC 7748) through :class:`SecretKey`.
+* **HKDF-SHA256** (RFC 5869) with a versioned domain-separation tag per use (pairwise mask,
+  self mask, share encryption, neighbour graph). The ``info`` string is
+  ``tag || 0x00 || context`` where ``context`` binds the run, the membership epoch, the round
+  (or key generation) and the ordered pair of sites, so no two uses ever share a key.
+* **ChaCha20-Poly1305** (RFC 8439, section 2.8) authenticated encryption of Shamir shares that
+  the server relays between sites. The associated data repeats the full context, and a wrong
+  key, nonce, tag or context fails with an opaque :class:`~fedagg.errors.VerificationError`.
+
+The construction follows Bonawitz et al., "Practical Secure Aggregation for Privacy-Preserving
+Machine Learning", CCS 2017, section 4 (key agreement ``KA``, authenticated encryption ``AE``).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from enum import IntEnum
+from typing import Final
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from fedagg.errors import ProtocolError, VerificationError, explain
+
+__all__ = [
+    "CIPHERTEXT_OVERHEAD",
+    "KEY_BYTES",
+    "NONCE_BYTES",
+    "TAG_GRAPH",
+    "TAG_PAIRWISE_MASK",
+    "TAG_SELF_MASK",
+    "TAG_SHARE_ENCRYPTION",
+    "RandomBytes",
+    "SecretKey",
+    "ShareKind",
+    "check_public_key",
+    "context",
+    "decrypt_share",
+    "derive_key",
+    "encrypt_share",
+    "pairwise_mask_key",
+    "self_mask_key",
+]
+
+RandomBytes = Callable[[int], bytes]
+"""A source of random bytes: ``random_bytes(n)`` returns ``n`` bytes (``os.urandom`` at the edge)."""
+
+KEY_BYTES: Final = 32
+NONCE_BYTES: Final = 12
+_AEAD_TAG_BYTES: Final = 16
+CIPHERTEXT_OVERHEAD: Final = NONCE_BYTES + _AEAD_TAG_BYTES
+
+# Versioned domain-separation tags (RFC 5869 section 3.2: "info" binds a key to its use).
+TAG_PAIRWISE_MASK: Final = b"fedagg/secagg/v1/pairwise-mask"
+TAG_SELF_MASK: Final = b"fedagg/secagg/v1/self-mask"
+TAG_SHARE_ENCRYPTION: Final = b"fedagg/secagg/v1/share-encryption"
+TAG_GRAPH: Final = b"fedagg/secagg/v1/neighbour-graph"
+_AAD_PREFIX: Final = b"fedagg/secagg/v1/share-aad"
+
+
+class ShareKind(IntEnum):
+    """What a Shamir share is a share of (bound into the encryption key and the AAD)."""
+
+    SELF_MASK_SEED = 1
+    """The per-round self-mask seed ``b_i``."""
+    MASK_KEY = 2
+    """A site's X25519 mask-agreement secret key ``s_i`` of one key generation."""
+
+
+class SecretKey:
+    """An X25519 secret key whose ``repr`` never shows key material.
+
+    Parameters
+    ----------
+    raw : bytes
+        32 secret bytes (RFC 7748 section 5; clamping happens inside X25519).
+    """
+
+    __slots__ = ("_key",)
+
+    def __init__(self, raw: bytes) -> None:
+        if not isinstance(raw, bytes) or len(raw) != KEY_BYTES:
+            raise ProtocolError(
+                explain("secret_key", "<redacted>", "must be 32 bytes", "pass a 32-byte key")
+            )
+        self._key = X25519PrivateKey.from_private_bytes(raw)
+
+    @classmethod
+    def generate(cls, random_bytes: RandomBytes) -> SecretKey:
+        """Make a new key from ``random_bytes(32)``."""
+        return cls(bytes(random_bytes(KEY_BYTES)))
+
+    def public_bytes(self) -> bytes:
+        """The 32-byte X25519 public key."""
+        return self._key.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
+
+    def secret_bytes(self) -> bytes:
+        """The 32 raw secret bytes (for ``state_dict`` and Shamir sharing only)."""
+        return self._key.private_bytes(
+            serialization.Encoding.Raw,
+            serialization.PrivateFormat.Raw,
+            serialization.NoEncryption(),
+        )
+
+    def exchange(self, peer_public: bytes) -> bytes:
+        """X25519 shared secret with ``peer_public`` (RFC 7748 section 6.1).
+
+        Raises
+        ------
+        ProtocolError
+            If ``peer_public`` is not 32 bytes.
+        VerificationError
+            If the shared secret is all zero (a small-order public key).
+        """
+        check_public_key(peer_public)
+        try:
+            return self._key.exchange(X25519PublicKey.from_public_bytes(peer_public))
+        except ValueError:  # all-zero output: a small-order point
+            raise VerificationError() from None
+
+    def __repr__(self) -> str:
+        return "SecretKey(<redacted>)"
+
+    __str__ = __repr__
+
+    def __reduce__(self) -> object:
+        raise TypeError("SecretKey cannot be pickled; use secret_bytes() explicitly")
+
+
+def check_public_key(public: object, field: str = "public_key") -> bytes:
+    """Return ``public`` if it is 32 bytes, else raise :class:`ProtocolError`."""
+    if not isinstance(public, bytes) or len(public) != KEY_BYTES:
+        shown = len(public) if isinstance(public, bytes) else type(public).__name__
+        raise ProtocolError(
+            explain(field, shown, "must be a 32-byte X25519 public key", "send the raw key")
+        )
+    return public
+
+
+def context(
+    *, run_id: bytes, epoch: int, counter: int, first: int, second: int, kind: int = 0
+) -> bytes:
+    """Injective encoding of the public context a derived key is bound to.
+
+    ``len(run_id) (u16) || run_id || kind (u8) || epoch || counter || first || second``
+    (unsigned 64-bit big-endian integers).
+    """
+    for name, value in (("epoch", epoch), ("counter", counter), ("first", first), ("second", second)):
+        if not 0 <= value < 2**64:
+            raise ProtocolError(explain(name, value, "must be in [0, 2**64)", "use a smaller id"))
+    if len(run_id) >= 2**16:
+        raise ProtocolError(explain("run_id", len(run_id), "must be < 65536 bytes", "shorten it"))
+    return (
+        struct.pack(">H", len(run_id))
+        + run_id
+        + struct.pack(">BQQQQ", kind, epoch, counter, first, second)
+    )
+
+
+def derive_key(ikm: bytes, tag: bytes, info_context: bytes, length: int = KEY_BYTES) -> bytes:
+    """HKDF-SHA256 (RFC 5869) of ``ikm`` with ``info = tag || 0x00 || info_context``."""
+    return HKDF(
+        algorithm=hashes.SHA256(), length=length, salt=None, info=tag + b"\x00" + info_context
+    ).derive(ikm)
+
+
+def pairwise_mask_key(
+    shared: bytes, *, run_id: bytes, epoch: int, round_number: int, a: int, b: int
+) -> bytes:
+    """Round key of the pairwise mask between sites ``a`` and ``b`` (symmetric in a, b)."""
+    lo, hi = min(a, b), max(a, b)
+    ctx = context(run_id=run_id, epoch=epoch, counter=round_number, first=lo, second=hi)
+    return derive_key(shared, TAG_PAIRWISE_MASK, ctx)
+
+
+def self_mask_key(seed: bytes, *, run_id: bytes, epoch: int, round_number: int, site: int) -> bytes:
+    """Round key of the self mask of ``site`` from its 32-byte per-round seed ``b_i``."""
+    ctx = context(run_id=run_id, epoch=epoch, counter=round_number, first=site, second=site)
+    return derive_key(seed, TAG_SELF_MASK, ctx)
+
+
+def _share_context(
+    run_id: bytes, epoch: int, kind: ShareKind, counter: int, src: int, dst: int
+) -> bytes:
+    return context(
+        run_id=run_id, epoch=epoch, counter=counter, first=src, second=dst, kind=int(kind)
+    )
+
+
+def encrypt_share(
+    own_secret: SecretKey,
+    peer_public: bytes,
+    plaintext: bytes,
+    *,
+    run_id: bytes,
+    epoch: int,
+    kind: ShareKind,
+    counter: int,
+    src: int,
+    dst: int,
+    random_bytes: RandomBytes,
+) -> bytes:
+    """Encrypt one share from ``src`` to ``dst`` (ChaCha20-Poly1305, RFC 8439 section 2.8).
+
+    The key is HKDF(X25519(c_src, c_dst)) bound to (run, epoch, kind, counter, src, dst), so
+    every message has its own key; the 12-byte nonce is random on top of that. Returns
+    ``nonce || ciphertext || tag``.
+    """
+    ctx = _share_context(run_id, epoch, kind, counter, src, dst)
+    key = derive_key(own_secret.exchange(peer_public), TAG_SHARE_ENCRYPTION, ctx)
+    nonce = bytes(random_bytes(NONCE_BYTES))
+    return nonce + ChaCha20Poly1305(key).encrypt(nonce, plaintext, _AAD_PREFIX + ctx)
+
+
+def decrypt_share(
+    own_secret: SecretKey,
+    peer_public: bytes,
+    blob: bytes,
+    *,
+    run_id: bytes,
+    epoch: int,
+    kind: ShareKind,
+    counter: int,
+    src: int,
+    dst: int,
+) -> bytes:
+    """Inverse of :func:`encrypt_share`; any mismatch raises an opaque VerificationError."""
+    if not isinstance(blob, bytes) or len(blob) < CIPHERTEXT_OVERHEAD:
+        raise VerificationError()
+    ctx = _share_context(run_id, epoch, kind, counter, src, dst)
+    key = derive_key(own_secret.exchange(peer_public), TAG_SHARE_ENCRYPTION, ctx)
+    try:
+        return ChaCha20Poly1305(key).decrypt(
+            blob[:NONCE_BYTES], blob[NONCE_BYTES:], _AAD_PREFIX + ctx
+        )
+    except InvalidTag:
+        raise VerificationError() from None

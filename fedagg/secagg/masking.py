@@ -1,0 +1,36 @@
+"""Double masking of encoded updates in ``Z_2^32`` (Bonawitz et al., CCS 2017, section 4).
+
+A site ``i`` uploads ``y_i = x_i + PRG(B_i) + sum_{j in N(i)} sign(i, j) * PRG(K_ij)`` with
+``sign(i, j) = +1`` if ``i < j`` else ``-1``; ``B_i`` is the round key of its self mask and
+``K_ij`` the round key of the pairwise mask (both HKDF outputs, see
+:mod:`fedagg.secagg.keys`). Pairwise masks cancel in the sum over sites that uploaded; the
+server removes the self masks of those sites and the pairwise masks they share with sites
+that dropped before uploading. ``uint32`` arithmetic wraps, which is exactly mod ``2^32``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+from numpy.typing import NDArray
+
+from fedagg.secagg.prg import mask_words
+
+__all__ = ["add_masks", "pairwise_sign"]
+
+
+def pairwise_sign(site: int, other: int) -> int:
+    """``+1`` if ``site < other`` else ``-1``: the sign ``site`` gives the pair's mask."""
+    return 1 if site < other else -1
+
+
+def add_masks(vector: NDArray[np.uint32], signed_keys: Iterable[tuple[int, bytes]]) -> None:
+    """In place: ``vector += sign * PRG(key)`` mod ``2^32`` for each ``(sign, key)``."""
+    n = vector.shape[0]
+    for sign, key in signed_keys:
+        words = mask_words(key, n)
+        if sign > 0:
+            np.add(vector, words, out=vector)
+        else:
+            np.subtract(vector, words, out=vector)

@@ -1,0 +1,450 @@
+"""The server side of secure aggregation as a state machine over plain messages.
+
+Stages::
+
+    IDLE/READY --begin_setup--> ADVERTISING --close_advertise--> SHARING --close_share_keys--> READY
+    READY --begin_round--> COLLECTING --close_uploads--> UNMASKING --finish_round--> READY
+
+``receive_*`` methods accept one message each and validate it (stage, epoch, round, sender,
+sizes); late, duplicate or foreign messages raise :class:`~fedagg.errors.ProtocolError`. A
+round that cannot complete raises :class:`~fedagg.errors.AbortRound` and returns the server
+to READY with nothing aggregated; the next round can start at once with the sites in
+:attr:`ServerState.usable_sites`. Sites that dropped before uploading must re-key (a new
+epoch via :meth:`ServerState.begin_setup`) before they take part again.
+
+Protocol: Bonawitz et al., CCS 2017, section 4; neighbour graph of Bell et al., CCS 2020.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from enum import IntEnum
+
+import numpy as np
+from numpy.typing import NDArray
+
+from fedagg.errors import AbortRound, ConfigError, ProtocolError, VerificationError, explain
+from fedagg.secagg import fixed_point, shamir
+from fedagg.secagg.graph import graph_seed, harary_graph
+from fedagg.secagg.keys import SecretKey, check_public_key, pairwise_mask_key, self_mask_key
+from fedagg.secagg.masking import add_masks, pairwise_sign
+from fedagg.secagg.messages import (
+    KeyAdvertise,
+    KeyAdvertiseRequest,
+    MaskedUpload,
+    RoundRequest,
+    ShareKeys,
+    ShareKeysRequest,
+    UnmaskRequest,
+    UnmaskResponse,
+    split_blob,
+)
+from fedagg.secagg.params import SecAggParams
+
+__all__ = ["RoundResult", "ServerStage", "ServerState"]
+
+logger = logging.getLogger(__name__)
+Ids = tuple[int, ...]
+
+
+class ServerStage(IntEnum):
+    """Where the server is in the protocol."""
+
+    IDLE = 0
+    ADVERTISING = 1
+    SHARING = 2
+    READY = 3
+    COLLECTING = 4
+    UNMASKING = 5
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RoundResult:
+    """Outcome of a completed round.
+
+    Attributes
+    ----------
+    mean : numpy.ndarray
+        Weighted mean ``sum w x / sum w`` of the counted sites (float64, flat).
+    total_weight : float
+        ``sum w`` of the counted sites, in the caller's units (examples).
+    counted : tuple of int
+        Sites whose update is in the sum (uploaded, including those that dropped later).
+    dropped : tuple of int
+        Participants that did not upload (removed; they must re-key to rejoin).
+    frac_bits : int
+        Fixed-point fractional bits used in this round.
+    error_bound : float
+        Worst-case absolute quantisation error of ``mean`` (for clipped inputs).
+    """
+
+    epoch: int
+    round: int
+    mean: NDArray[np.float64]
+    total_weight: float
+    counted: Ids
+    dropped: Ids
+    frac_bits: int
+    error_bound: float
+
+    def __repr__(self) -> str:
+        return (
+            f"RoundResult(epoch={self.epoch}, round={self.round}, dim={self.mean.size}, "
+            f"counted={list(self.counted)}, dropped={list(self.dropped)})"
+        )
+
+
+@dataclasses.dataclass
+class _MaskKey:
+    gen: int
+    public: bytes
+    ciphertexts: dict[int, bytes]  # recipient -> encrypted share
+
+
+class ServerState:
+    """Secure-aggregation state of the server (one per run).
+
+    Parameters
+    ----------
+    params : SecAggParams
+        Public parameters (the sites hold equal ones).
+    run_id : bytes
+        Identifier of the run, bound into every derived key (e.g. 16 random bytes).
+    """
+
+    def __init__(self, params: SecAggParams, *, run_id: bytes) -> None:
+        if not isinstance(run_id, bytes) or not 1 <= len(run_id) <= 256:
+            raise ConfigError(explain("run_id", run_id, "must be 1..256 bytes", "use 16 bytes"))
+        self.params = params
+        self.run_id = run_id
+        self.stage = ServerStage.IDLE
+        self.epoch = 0
+        self.last_round = 0
+        self._new_epoch(())
+
+    def __repr__(self) -> str:
+        return (
+            f"ServerState(stage={self.stage.name}, epoch={self.epoch}, "
+            f"round={self.last_round}, usable={len(self.usable_sites)})"
+        )
+
+    def _new_epoch(self, invited: Ids) -> None:
+        self._invited = invited
+        self._c_public: dict[int, bytes] = {}
+        self._s_public: dict[int, bytes] = {}
+        self.roster: Ids = ()
+        self._graph: dict[int, Ids] = {}
+        self._keys: dict[int, _MaskKey] = {}
+        self._ready: set[int] = set()
+        self._stale: set[int] = set()
+
+    @property
+    def usable_sites(self) -> Ids:
+        """Sites that may take part in the next round without re-keying."""
+        return tuple(sorted(self._ready - self._stale))
+
+    def needs_rekey(self, sites: Sequence[int]) -> bool:
+        """Whether taking ``sites`` into a round needs a new epoch first."""
+        return not set(sites) <= set(self.usable_sites)
+
+    def _require(self, stage: ServerStage, what: str) -> None:
+        if self.stage != stage:
+            raise ProtocolError(
+                explain(what, self.stage.name, f"needs stage {stage.name}", "follow the stages")
+            )
+
+    def _check(self, msg_epoch: int, msg_round: int | None = None) -> None:
+        if msg_epoch != self.epoch or (msg_round is not None and msg_round != self._round):
+            raise ProtocolError(
+                explain("epoch/round", (msg_epoch, msg_round), "stale or foreign message", "drop it")
+            )
+
+    # -- setup -----------------------------------------------------------------------------
+    def begin_setup(self, sites: Sequence[int]) -> KeyAdvertiseRequest:
+        """Start a new membership epoch with ``sites`` (broadcast the returned request)."""
+        if self.stage in (ServerStage.COLLECTING, ServerStage.UNMASKING):
+            raise ProtocolError(explain("begin_setup", self.stage.name, "round open", "finish"))
+        invited = tuple(sorted(set(int(s) for s in sites)))
+        if len(invited) < 2 or len(invited) != len(sites) or invited[0] < 0:
+            raise ConfigError(explain("sites", list(sites), "need >= 2 distinct ids >= 0", "-"))
+        self.epoch += 1
+        self._new_epoch(invited)
+        self.stage = ServerStage.ADVERTISING
+        logger.debug("server: epoch %d setup with %d sites", self.epoch, len(invited))
+        return KeyAdvertiseRequest(
+            run_id=self.run_id, epoch=self.epoch, roster=invited, params_digest=self.params.digest()
+        )
+
+    def receive_advertise(self, msg: KeyAdvertise) -> None:
+        """Accept one site's public keys."""
+        self._require(ServerStage.ADVERTISING, "advertise")
+        self._check(msg.epoch)
+        if msg.site not in self._invited or msg.site in self._c_public:
+            raise ProtocolError(explain("site", msg.site, "not invited or duplicate", "drop it"))
+        self._c_public[msg.site] = check_public_key(msg.c_public, "c_public")
+        self._s_public[msg.site] = check_public_key(msg.s_public, "s_public")
+
+    def close_advertise(self) -> dict[int, ShareKeysRequest]:
+        """Fix the epoch roster and graph; one ShareKeysRequest per advertised site."""
+        self._require(ServerStage.ADVERTISING, "close_advertise")
+        roster = tuple(sorted(self._c_public))
+        try:
+            k = self.params.neighbours_for(len(roster))
+        except ConfigError as err:
+            self.stage = ServerStage.IDLE
+            raise AbortRound(f"setup failed: {err}") from err
+        self.roster = roster
+        self._graph = harary_graph(roster, k, graph_seed(self.run_id, self.epoch, roster))
+        self._keys = {i: _MaskKey(0, self._s_public[i], {}) for i in roster}
+        self.stage = ServerStage.SHARING
+        return {
+            i: ShareKeysRequest(
+                epoch=self.epoch,
+                roster=roster,
+                neighbours=self._graph[i],
+                neighbour_c_public=b"".join(self._c_public[j] for j in self._graph[i]),
+            )
+            for i in roster
+        }
+
+    def receive_share_keys(self, msg: ShareKeys) -> None:
+        """Accept one site's encrypted key shares."""
+        self._require(ServerStage.SHARING, "share_keys")
+        self._check(msg.epoch)
+        if msg.site not in self._graph or msg.site in self._ready or msg.gen != 0:
+            raise ProtocolError(explain("site", msg.site, "unknown, duplicate or bad gen", "-"))
+        if tuple(msg.recipients) != self._graph[msg.site]:
+            raise ProtocolError(explain("recipients", "mismatch", "must be the neighbours", "-"))
+        cts = split_blob(msg.ciphertexts, len(msg.recipients))
+        self._keys[msg.site].ciphertexts = dict(zip(msg.recipients, cts, strict=True))
+        self._ready.add(msg.site)
+
+    def close_share_keys(self) -> Ids:
+        """Finish setup; returns the sites that completed it (the usable roster)."""
+        self._require(ServerStage.SHARING, "close_share_keys")
+        if len(self._ready) < 2:
+            self.stage = ServerStage.IDLE
+            raise AbortRound(f"setup failed: only {len(self._ready)} site(s) shared keys")
+        self.stage = ServerStage.READY
+        logger.debug("server: epoch %d ready with %d sites", self.epoch, len(self._ready))
+        return self.usable_sites
+
+    # -- round -----------------------------------------------------------------------------
+    def begin_round(
+        self, round_number: int, participants: Sequence[int], dim: int
+    ) -> dict[int, RoundRequest]:
+        """Open round ``round_number`` (strictly increasing) for ``participants``.
+
+        Returns one RoundRequest per participant. Raises AbortRound when some participant has
+        fewer than ``threshold`` neighbours among the participants (nothing is revealed).
+        """
+        self._require(ServerStage.READY, "begin_round")
+        if round_number <= self.last_round:
+            raise ProtocolError(
+                explain(
+                    "round",
+                    round_number,
+                    f"must be > {self.last_round}; reusing a number would reuse masks",
+                    "use a monotonically increasing secagg round counter",
+                )
+            )
+        part = tuple(sorted(set(int(p) for p in participants)))
+        if len(part) != len(participants) or not set(part) <= set(self.usable_sites):
+            raise ProtocolError(
+                explain(
+                    "participants",
+                    sorted(set(participants) - set(self.usable_sites)),
+                    "not usable in this epoch (unknown, or dropped and not re-keyed)",
+                    "call begin_setup to re-key before they rejoin",
+                )
+            )
+        if dim < 1:
+            raise ProtocolError(explain("dim", dim, "must be >= 1", "-"))
+        frac_bits = self.params.frac_bits_for(len(part))
+        self.last_round = round_number
+        pset = set(part)
+        nbrs = {i: tuple(j for j in self._graph[i] if j in pset) for i in part}
+        short = [i for i in part if len(nbrs[i]) < self.params.threshold]
+        if short:
+            raise AbortRound(
+                explain(
+                    "participants",
+                    short,
+                    f"have fewer than threshold={self.params.threshold} participating neighbours",
+                    "sample more sites or lower the threshold",
+                )
+            )
+        self._round, self._participants, self._dim, self._frac_bits = (
+            round_number, part, dim, frac_bits,
+        )
+        self._nbrs = nbrs
+        self._used = {i: (self._keys[i].gen, self._keys[i].public) for i in part}
+        self._uploads: dict[int, NDArray[np.uint32]] = {}
+        self._b_cts: dict[tuple[int, int], bytes] = {}
+        self._responses: dict[int, UnmaskResponse] = {}
+        self.stage = ServerStage.COLLECTING
+        return {
+            i: RoundRequest(
+                epoch=self.epoch,
+                round=round_number,
+                participants=part,
+                dim=dim,
+                gen=self._used[i][0],
+                neighbours=nbrs[i],
+                neighbour_gens=tuple(self._used[j][0] for j in nbrs[i]),
+                neighbour_s_public=b"".join(self._used[j][1] for j in nbrs[i]),
+            )
+            for i in part
+        }
+
+    def receive_upload(self, msg: MaskedUpload) -> None:
+        """Accept one masked upload (late or duplicate uploads are refused)."""
+        self._require(ServerStage.COLLECTING, "upload")
+        self._check(msg.epoch, msg.round)
+        i = msg.site
+        if i not in self._used or i in self._uploads:
+            raise ProtocolError(explain("site", i, "not a participant, or duplicate", "drop it"))
+        if msg.masked.shape != (self._dim + 1,):
+            raise ProtocolError(explain("masked", msg.masked.shape, f"need {self._dim + 1}", "-"))
+        if tuple(msg.b_recipients) != self._nbrs[i] or tuple(msg.next_recipients) != self._graph[
+            i
+        ]:
+            raise ProtocolError(explain("recipients", "mismatch", "must follow the graph", "-"))
+        if msg.next_gen != self._used[i][0] + 1:
+            raise ProtocolError(explain("next_gen", msg.next_gen, "must be gen + 1", "-"))
+        public = check_public_key(msg.next_s_public, "next_s_public")
+        b_cts = split_blob(msg.b_ciphertexts, len(self._nbrs[i]), "b_ciphertexts")
+        next_cts = split_blob(msg.next_ciphertexts, len(self._graph[i]), "next_ciphertexts")
+        self._uploads[i] = msg.masked
+        self._b_cts.update({(i, j): ct for j, ct in zip(self._nbrs[i], b_cts, strict=True)})
+        self._keys[i] = _MaskKey(msg.next_gen, public, dict(zip(self._graph[i], next_cts)))
+
+    def _recoverable(self, alive: set[int], dropped: set[int]) -> list[str]:
+        t = self.params.threshold
+        problems = [
+            f"site {i}: self mask has {n} live holders"
+            for i in sorted(self._uploads)
+            if (n := len(set(self._nbrs[i]) & alive)) < t
+        ]
+        problems += [
+            f"site {j}: mask key has {n} live holders"
+            for j in sorted(dropped)
+            if 0 < (n := len(set(self._nbrs[j]) & alive)) < t
+        ]
+        return problems
+
+    def close_uploads(self) -> dict[int, UnmaskRequest]:
+        """End collection; one UnmaskRequest per site that uploaded.
+
+        Raises AbortRound (before any share is revealed) when some needed secret has fewer
+        than ``threshold`` holders among the uploaders.
+        """
+        self._require(ServerStage.COLLECTING, "close_uploads")
+        counted = set(self._uploads)
+        dropped = set(self._participants) - counted
+        self._stale |= dropped
+        problems = self._recoverable(counted, dropped)
+        if problems:
+            self.stage = ServerStage.READY
+            raise AbortRound(f"round {self._round} aborted: " + "; ".join(problems))
+        self._dropped = dropped
+        requests = {}
+        for i in sorted(counted):
+            b_from = tuple(j for j in self._nbrs[i] if j in counted)
+            s_from = tuple(j for j in self._nbrs[i] if j in dropped)
+            requests[i] = UnmaskRequest(
+                epoch=self.epoch,
+                round=self._round,
+                b_senders=b_from,
+                b_ciphertexts=b"".join(self._b_cts[(j, i)] for j in b_from),
+                s_senders=s_from,
+                s_gens=tuple(self._used[j][0] for j in s_from),
+                s_ciphertexts=b"".join(self._keys[j].ciphertexts[i] for j in s_from),
+            )
+        self._requests = requests
+        self.stage = ServerStage.UNMASKING
+        logger.debug(
+            "server: round %d: %d uploads, %d dropped", self._round, len(counted), len(dropped)
+        )
+        return requests
+
+    def receive_unmask(self, msg: UnmaskResponse) -> None:
+        """Accept one site's revealed shares."""
+        self._require(ServerStage.UNMASKING, "unmask")
+        self._check(msg.epoch, msg.round)
+        req = self._requests.get(msg.site)
+        if req is None or msg.site in self._responses:
+            raise ProtocolError(explain("site", msg.site, "not asked, or duplicate", "drop it"))
+        if (
+            tuple(msg.b_owners) != req.b_senders
+            or tuple(msg.s_owners) != req.s_senders
+            or msg.b_shares.shape[0] != len(req.b_senders)
+            or msg.s_shares.shape[0] != len(req.s_senders)
+        ):
+            raise ProtocolError(explain("shares", msg.site, "do not match the request", "-"))
+        self._responses[msg.site] = msg
+
+    def abort_round(self) -> None:
+        """Abandon the open round (e.g. on a timeout at the edge); nothing is aggregated."""
+        if self.stage == ServerStage.COLLECTING:
+            self._stale |= set(self._participants) - set(self._uploads)
+        elif self.stage != ServerStage.UNMASKING:
+            raise ProtocolError(explain("abort_round", self.stage.name, "no open round", "-"))
+        self.stage = ServerStage.READY
+
+    def finish_round(self) -> RoundResult:
+        """Reconstruct the needed secrets, unmask the sum and decode the weighted mean."""
+        self._require(ServerStage.UNMASKING, "finish_round")
+        self.stage = ServerStage.READY  # whatever happens below, the round is over
+        t = self.params.threshold
+        b_shares: dict[int, list[shamir.Share]] = {}
+        s_shares: dict[int, list[shamir.Share]] = {}
+        for r, msg in self._responses.items():
+            for owner, row in zip(msg.b_owners, msg.b_shares, strict=True):
+                b_shares.setdefault(owner, []).append(shamir.Share(r + 1, row))
+            for owner, row in zip(msg.s_owners, msg.s_shares, strict=True):
+                s_shares.setdefault(owner, []).append(shamir.Share(r + 1, row))
+        counted = tuple(sorted(self._uploads))
+        need_s = [j for j in sorted(self._dropped) if set(self._nbrs[j]) & set(counted)]
+        short = [i for i in counted if len(b_shares.get(i, ())) < t]
+        short += [j for j in need_s if len(s_shares.get(j, ())) < t]
+        if short:
+            raise AbortRound(
+                f"round {self._round} aborted: fewer than threshold={t} shares for sites {short}"
+            )
+        total = np.zeros(self._dim + 1, np.uint32)
+        for vec in self._uploads.values():
+            np.add(total, vec, out=total)
+        ctx = {"run_id": self.run_id, "epoch": self.epoch, "round_number": self._round}
+        self_keys = [
+            (-1, self_mask_key(shamir.reconstruct(b_shares[i], t), site=i, **ctx)) for i in counted
+        ]
+        add_masks(total, self_keys)
+        for j in need_s:
+            secret = SecretKey(shamir.reconstruct(s_shares[j], t))
+            if secret.public_bytes() != self._used[j][1]:
+                raise VerificationError()
+            pair_keys = [
+                (
+                    -pairwise_sign(i, j),
+                    pairwise_mask_key(secret.exchange(self._used[i][1]), a=i, b=j, **ctx),
+                )
+                for i in self._nbrs[j]
+                if i in self._uploads
+            ]
+            add_masks(total, pair_keys)
+        weighted_sum, weight = fixed_point.decode_sum(total, self._frac_bits)
+        bound = fixed_point.error_bound(len(counted), weight, self.params.clip, self._frac_bits)
+        logger.debug("server: round %d unmasked (%d counted)", self._round, len(counted))
+        return RoundResult(
+            epoch=self.epoch,
+            round=self._round,
+            mean=weighted_sum / weight,
+            total_weight=weight * self.params.weight_scale,
+            counted=counted,
+            dropped=tuple(sorted(self._dropped)),
+            frac_bits=self._frac_bits,
+            error_bound=bound,
+        )

@@ -1,0 +1,211 @@
+"""Shamir t-of-n secret sharing of 32-byte secrets over the prime field GF(2^31 - 1).
+
+Shamir, "How to Share a Secret", CACM 22(11), 1979. A 32-byte secret is split into
+:data:`NUM_LIMBS` = 9 limbs of 30 bits (each below the prime ``p = 2^31 - 1``), and every limb
+is shared with its own random polynomial of degree ``t - 1``. Products of two field elements
+stay below ``2^62``, so all arithmetic is vectorised numpy ``uint64`` with no overflow and no
+Python-object arrays. Share ``x`` coordinates are ``site id + 1``.
+
+Reconstruction (Lagrange interpolation at 0) checks that every limb is in range; a wrong or
+tampered share set fails that check with probability ``1 - 2^-23`` and raises an opaque
+:class:`~fedagg.errors.VerificationError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Final
+
+import numpy as np
+from numpy.typing import NDArray
+
+from fedagg.errors import ProtocolError, VerificationError, explain
+from fedagg.secagg.keys import RandomBytes
+
+__all__ = [
+    "LIMB_BITS",
+    "NUM_LIMBS",
+    "PRIME",
+    "SECRET_BYTES",
+    "SHARE_BYTES",
+    "Share",
+    "evaluate",
+    "lagrange_at_zero",
+    "limbs_to_secret",
+    "random_field_elements",
+    "reconstruct",
+    "secret_to_limbs",
+    "split",
+]
+
+PRIME: Final = 2**31 - 1
+LIMB_BITS: Final = 30
+SECRET_BYTES: Final = 32
+NUM_LIMBS: Final = -(-8 * SECRET_BYTES // LIMB_BITS)  # 9
+SHARE_BYTES: Final = 4 + 4 * NUM_LIMBS
+_TOP_BITS: Final = 8 * SECRET_BYTES - LIMB_BITS * (NUM_LIMBS - 1)  # 16
+
+
+class Share:
+    """One share ``(x, y)`` of a 32-byte secret; ``repr`` hides ``y``.
+
+    Parameters
+    ----------
+    x : int
+        Evaluation point, ``1 <= x < p`` (the holder's site id + 1).
+    y : numpy.ndarray
+        :data:`NUM_LIMBS` field elements (``uint32``), one per limb.
+    """
+
+    __slots__ = ("x", "y")
+
+    def __init__(self, x: int, y: NDArray[np.uint32]) -> None:
+        if not 1 <= x < PRIME:
+            raise ProtocolError(explain("share.x", x, f"must be in [1, {PRIME})", "use id + 1"))
+        arr = np.asarray(y)
+        if arr.shape != (NUM_LIMBS,) or arr.dtype != np.uint32 or bool((arr >= PRIME).any()):
+            raise ProtocolError(
+                explain("share.y", arr.shape, f"must be {NUM_LIMBS} uint32 < p", "resend")
+            )
+        self.x = int(x)
+        self.y: NDArray[np.uint32] = arr
+
+    def to_bytes(self) -> bytes:
+        """``x`` (u32 big-endian) followed by the limbs (u32 little-endian)."""
+        return self.x.to_bytes(4, "big") + self.y.astype("<u4").tobytes()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Share:
+        """Inverse of :meth:`to_bytes`."""
+        if len(data) != SHARE_BYTES:
+            raise ProtocolError(explain("share", len(data), f"must be {SHARE_BYTES} bytes", "-"))
+        y = np.frombuffer(data[4:], dtype="<u4").astype(np.uint32)
+        return cls(int.from_bytes(data[:4], "big"), y)
+
+    def __repr__(self) -> str:
+        return f"Share(x={self.x}, y=<redacted>)"
+
+
+def secret_to_limbs(secret: bytes) -> NDArray[np.uint64]:
+    """Split a 32-byte secret into 30-bit limbs, least significant first."""
+    if not isinstance(secret, bytes) or len(secret) != SECRET_BYTES:
+        raise ProtocolError(explain("secret", "<redacted>", "must be 32 bytes", "-"))
+    value = int.from_bytes(secret, "big")
+    mask = (1 << LIMB_BITS) - 1
+    return np.array([(value >> (LIMB_BITS * i)) & mask for i in range(NUM_LIMBS)], np.uint64)
+
+
+def limbs_to_secret(limbs: NDArray[np.uint64]) -> bytes:
+    """Inverse of :func:`secret_to_limbs`; out-of-range limbs raise VerificationError."""
+    values = [int(v) for v in limbs]
+    if any(v >> LIMB_BITS for v in values) or values[-1] >> _TOP_BITS:
+        raise VerificationError()
+    value = sum(v << (LIMB_BITS * i) for i, v in enumerate(values))
+    return value.to_bytes(SECRET_BYTES, "big")
+
+
+def random_field_elements(count: int, random_bytes: RandomBytes) -> NDArray[np.uint64]:
+    """``count`` uniform elements of GF(p) by rejection sampling of 31-bit words."""
+    out = np.empty(0, np.uint64)
+    while out.size < count:
+        need = count - out.size + 4
+        words = np.frombuffer(bytes(random_bytes(4 * need)), dtype="<u4").astype(np.uint64)
+        words &= np.uint64(0x7FFFFFFF)
+        out = np.concatenate([out, words[words < PRIME]])
+    return out[:count]
+
+
+def evaluate(coefficients: NDArray[np.uint64], xs: Sequence[int]) -> NDArray[np.uint64]:
+    """Evaluate polynomials at ``xs`` by Horner's rule, vectorised.
+
+    Parameters
+    ----------
+    coefficients : numpy.ndarray
+        ``(t, L)`` array; row 0 is the constant term (the secret limbs).
+    xs : sequence of int
+        Evaluation points.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``(len(xs), L)`` array of field elements.
+    """
+    x = np.asarray(xs, dtype=np.uint64)[:, None]
+    p = np.uint64(PRIME)
+    acc = np.zeros((len(xs), coefficients.shape[1]), np.uint64)
+    for row in coefficients[::-1]:
+        acc = (acc * x + row[None, :]) % p  # acc, x < 2^31: product < 2^62
+    return acc
+
+
+def _check_points(xs: Sequence[int], threshold: int) -> None:
+    if not 1 <= threshold <= len(xs):
+        raise ProtocolError(
+            explain("threshold", threshold, f"must be in [1, {len(xs)}] (holders)", "lower it")
+        )
+    if len(set(xs)) != len(xs) or any(not 1 <= x < PRIME for x in xs):
+        raise ProtocolError(explain("share points", list(xs), "must be distinct, in [1, p)", "-"))
+
+
+def split(
+    secret: bytes, xs: Sequence[int], threshold: int, random_bytes: RandomBytes
+) -> list[Share]:
+    """Shamir-share ``secret`` so that any ``threshold`` of the shares at ``xs`` recover it.
+
+    Parameters
+    ----------
+    secret : bytes
+        32-byte secret.
+    xs : sequence of int
+        Distinct nonzero evaluation points (holder id + 1).
+    threshold : int
+        ``t``: shares needed to reconstruct; ``t - 1`` shares are independent of the secret.
+    random_bytes : callable
+        Source of the polynomial coefficients.
+    """
+    _check_points(xs, threshold)
+    coefficients = np.empty((threshold, NUM_LIMBS), np.uint64)
+    coefficients[0] = secret_to_limbs(secret)
+    if threshold > 1:
+        coefficients[1:] = random_field_elements(
+            (threshold - 1) * NUM_LIMBS, random_bytes
+        ).reshape(threshold - 1, NUM_LIMBS)
+    ys = evaluate(coefficients, xs).astype(np.uint32)
+    return [Share(x, ys[i]) for i, x in enumerate(xs)]
+
+
+def lagrange_at_zero(xs: Sequence[int]) -> list[int]:
+    """Lagrange basis coefficients ``lambda_j = prod_{m != j} x_m / (x_m - x_j)`` mod p."""
+    out = []
+    for j, xj in enumerate(xs):
+        num, den = 1, 1
+        for m, xm in enumerate(xs):
+            if m != j:
+                num = num * xm % PRIME
+                den = den * (xm - xj) % PRIME
+        out.append(num * pow(den, -1, PRIME) % PRIME)
+    return out
+
+
+def reconstruct(shares: Sequence[Share], threshold: int) -> bytes:
+    """Recover the secret from at least ``threshold`` shares (the ``t`` lowest ``x`` are used).
+
+    Raises
+    ------
+    ProtocolError
+        Fewer than ``threshold`` shares, or duplicate points.
+    VerificationError
+        The interpolated value is not a valid secret (wrong, mixed or tampered shares).
+    """
+    if threshold < 1 or len(shares) < threshold:
+        raise ProtocolError(
+            explain("shares", len(shares), f"need at least threshold={threshold}", "wait for more")
+        )
+    chosen = sorted(shares, key=lambda s: s.x)[:threshold]
+    xs = [s.x for s in chosen]
+    _check_points(xs, threshold)
+    p = np.uint64(PRIME)
+    acc = np.zeros(NUM_LIMBS, np.uint64)
+    for lam, share in zip(lagrange_at_zero(xs), chosen, strict=True):
+        acc = (acc + np.uint64(lam) * share.y.astype(np.uint64)) % p
+    return limbs_to_secret(acc)
