@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from fedagg.errors import AbortRound, ProtocolError, VerificationError, explain
+from fedagg.errors import AbortRound, ConfigError, ProtocolError, VerificationError, explain
 from fedagg.secagg import fixed_point, shamir
 from fedagg.secagg.graph import graph_seed, harary_graph
 from fedagg.secagg.keys import (
@@ -33,6 +33,7 @@ from fedagg.secagg.keys import (
     SecretKey,
     ShareKind,
     check_public_key,
+    commit_seed,
     decrypt_share,
     encrypt_share,
     pairwise_mask_key,
@@ -215,9 +216,7 @@ class ClientState:
             raise ProtocolError(explain("roster", "invalid", "must list this site once", "-"))
         try:
             k = self.params.neighbours_for(len(roster))
-        except ProtocolError:
-            raise
-        except ValueError as err:
+        except ConfigError as err:
             raise AbortRound(str(err)) from err
         graph = harary_graph(roster, k, graph_seed(self.run_id, self.epoch, roster))
         if tuple(request.neighbours) != graph[self.site]:
@@ -289,7 +288,9 @@ class ClientState:
             )
         if len(nbrs) < self.params.threshold:
             raise AbortRound(
-                explain("neighbours", len(nbrs), f"fewer than threshold={self.params.threshold}", "-")
+                explain(
+                    "neighbours", len(nbrs), f"fewer than threshold={self.params.threshold}", "-"
+                )
             )
         pks = _split_keys(request.neighbour_s_public, len(nbrs), "neighbour_s_public")
         values = np.asarray(update, dtype=np.float64).reshape(-1)
@@ -303,12 +304,26 @@ class ClientState:
         s = self._secret(self._s)
         seed = bytes(self._random_bytes(shamir.SECRET_BYTES))
         signed = [
-            (1, self_mask_key(seed, run_id=self.run_id, epoch=self.epoch,
-                              round_number=request.round, site=self.site))
+            (
+                1,
+                self_mask_key(
+                    seed,
+                    run_id=self.run_id,
+                    epoch=self.epoch,
+                    round_number=request.round,
+                    site=self.site,
+                ),
+            )
         ]
         for j, pk in zip(nbrs, pks, strict=True):
-            key = pairwise_mask_key(s.exchange(pk), run_id=self.run_id, epoch=self.epoch,
-                                    round_number=request.round, a=self.site, b=j)
+            key = pairwise_mask_key(
+                s.exchange(pk),
+                run_id=self.run_id,
+                epoch=self.epoch,
+                round_number=request.round,
+                a=self.site,
+                b=j,
+            )
             signed.append((pairwise_sign(self.site, j), key))
         add_masks(vector, signed)
         b_blob = self._encrypt_shares(seed, nbrs, ShareKind.SELF_MASK_SEED, request.round)
@@ -323,13 +338,23 @@ class ClientState:
         self.stage = ClientStage.UPLOADED
         logger.debug(
             "site %d: uploaded round %d (%d neighbours, %d values)",
-            self.site, self.round, len(nbrs), values.size,
+            self.site,
+            self.round,
+            len(nbrs),
+            values.size,
         )
         return MaskedUpload(
             site=self.site,
             epoch=self.epoch,
             round=self.round,
             masked=vector,
+            b_commitment=commit_seed(
+                seed,
+                run_id=self.run_id,
+                epoch=self.epoch,
+                round_number=request.round,
+                site=self.site,
+            ),
             b_recipients=nbrs,
             b_ciphertexts=b_blob,
             next_gen=self.gen,
@@ -351,7 +376,9 @@ class ClientState:
         known = set(self._round_gens)
         for name, ids in (("b_senders", b_ids), ("s_senders", s_ids)):
             if len(set(ids)) != len(ids) or not set(ids) <= known:
-                raise ProtocolError(explain(name, list(ids), "must be this round's neighbours", "-"))
+                raise ProtocolError(
+                    explain(name, list(ids), "must be this round's neighbours", "-")
+                )
         both = (set(b_ids) & set(s_ids)) | (set(b_ids) & self._revealed_s)
         both |= set(s_ids) & self._revealed_b
         if both:
@@ -381,7 +408,10 @@ class ClientState:
         self.stage = ClientStage.UNMASKED
         logger.debug(
             "site %d: unmask round %d: %d self-mask shares, %d key shares",
-            self.site, self.round, len(b_ids), len(s_ids),
+            self.site,
+            self.round,
+            len(b_ids),
+            len(s_ids),
         )
 
         def rows(r: list[NDArray[np.uint32]]) -> NDArray[np.uint32]:
@@ -425,24 +455,20 @@ class ClientState:
     def load_state_dict(self, state: MessageDict) -> None:
         """Restore from :meth:`state_dict` (raises ProtocolError on a foreign or bad state)."""
         try:
-            if state["version"] != _STATE_VERSION or state["site"] != self.site:
+            if _int(state, "version") != _STATE_VERSION or _int(state, "site") != self.site:
                 raise ProtocolError(explain("state", "site/version", "belongs elsewhere", "-"))
-            run_id, c_raw, s_raw, nbr_c = (
-                state["run_id"], state["c_secret"], state["s_secret"], state["neighbour_c_public"]
-            )
-            if not all(isinstance(v, bytes) for v in (run_id, c_raw, s_raw, nbr_c)):
-                raise ProtocolError(explain("state", "types", "bad byte fields", "-"))
-            assert isinstance(run_id, bytes) and isinstance(c_raw, bytes)  # for mypy
-            assert isinstance(s_raw, bytes) and isinstance(nbr_c, bytes)
-            self._reset(run_id, int(state["epoch"]))  # type: ignore[call-overload]
-            self.stage = ClientStage(int(state["stage"]))  # type: ignore[call-overload]
-            self.round = int(state["round"])  # type: ignore[call-overload]
-            self.gen = int(state["gen"])  # type: ignore[call-overload]
+            self._reset(_bytes(state, "run_id"), _int(state, "epoch"))
+            self.stage = ClientStage(_int(state, "stage"))
+            self.round = _int(state, "round")
+            self.gen = _int(state, "gen")
+            c_raw, s_raw = _bytes(state, "c_secret"), _bytes(state, "s_secret")
             self._c = SecretKey(c_raw) if c_raw else None
             self._s = SecretKey(s_raw) if s_raw else None
             self.roster = _ids(state["roster"])
             self.neighbours = _ids(state["neighbours"])
-            keys = _split_keys(nbr_c, len(self.neighbours), "neighbour_c_public")
+            keys = _split_keys(
+                _bytes(state, "neighbour_c_public"), len(self.neighbours), "neighbour_c_public"
+            )
             self._neighbour_c = dict(zip(self.neighbours, keys, strict=True))
             gens = _ids(state["round_gens"])
             self._round_gens = dict(zip(gens[::2], gens[1::2], strict=True))
@@ -451,4 +477,20 @@ class ClientState:
             pairs = _ids(state["revealed_keys"])
             self._revealed_keys = set(zip(pairs[::2], pairs[1::2], strict=True))
         except (KeyError, TypeError, ValueError) as err:
-            raise ProtocolError(explain("state", type(err).__name__, "malformed state", "-")) from None
+            raise ProtocolError(
+                explain("state", type(err).__name__, "malformed state", "-")
+            ) from None
+
+
+def _int(state: MessageDict, key: str) -> int:
+    value = state[key]
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(key)
+    return int(value)
+
+
+def _bytes(state: MessageDict, key: str) -> bytes:
+    value = state[key]
+    if not isinstance(value, bytes):
+        raise TypeError(key)
+    return value

@@ -18,6 +18,7 @@ Machine Learning", CCS 2017, section 4 (key agreement ``KA``, authenticated encr
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from collections.abc import Callable
 from enum import IntEnum
@@ -37,12 +38,14 @@ __all__ = [
     "NONCE_BYTES",
     "TAG_GRAPH",
     "TAG_PAIRWISE_MASK",
+    "TAG_SEED_COMMITMENT",
     "TAG_SELF_MASK",
     "TAG_SHARE_ENCRYPTION",
     "RandomBytes",
     "SecretKey",
     "ShareKind",
     "check_public_key",
+    "commit_seed",
     "context",
     "decrypt_share",
     "derive_key",
@@ -64,6 +67,7 @@ TAG_PAIRWISE_MASK: Final = b"fedagg/secagg/v1/pairwise-mask"
 TAG_SELF_MASK: Final = b"fedagg/secagg/v1/self-mask"
 TAG_SHARE_ENCRYPTION: Final = b"fedagg/secagg/v1/share-encryption"
 TAG_GRAPH: Final = b"fedagg/secagg/v1/neighbour-graph"
+TAG_SEED_COMMITMENT: Final = b"fedagg/secagg/v1/seed-commitment"
 _AAD_PREFIX: Final = b"fedagg/secagg/v1/share-aad"
 
 
@@ -134,7 +138,7 @@ class SecretKey:
 
     __str__ = __repr__
 
-    def __reduce__(self) -> object:
+    def __reduce__(self) -> str | tuple[object, ...]:
         raise TypeError("SecretKey cannot be pickled; use secret_bytes() explicitly")
 
 
@@ -156,7 +160,12 @@ def context(
     ``len(run_id) (u16) || run_id || kind (u8) || epoch || counter || first || second``
     (unsigned 64-bit big-endian integers).
     """
-    for name, value in (("epoch", epoch), ("counter", counter), ("first", first), ("second", second)):
+    for name, value in (
+        ("epoch", epoch),
+        ("counter", counter),
+        ("first", first),
+        ("second", second),
+    ):
         if not 0 <= value < 2**64:
             raise ProtocolError(explain(name, value, "must be in [0, 2**64)", "use a smaller id"))
     if len(run_id) >= 2**16:
@@ -188,6 +197,16 @@ def self_mask_key(seed: bytes, *, run_id: bytes, epoch: int, round_number: int, 
     """Round key of the self mask of ``site`` from its 32-byte per-round seed ``b_i``."""
     ctx = context(run_id=run_id, epoch=epoch, counter=round_number, first=site, second=site)
     return derive_key(seed, TAG_SELF_MASK, ctx)
+
+
+def commit_seed(seed: bytes, *, run_id: bytes, epoch: int, round_number: int, site: int) -> bytes:
+    """SHA-256 commitment to a self-mask seed (hiding: the seed has 256 random bits).
+
+    Lets the server check a reconstructed seed, so a wrong share cannot silently corrupt
+    the aggregate.
+    """
+    ctx = context(run_id=run_id, epoch=epoch, counter=round_number, first=site, second=site)
+    return hashlib.sha256(TAG_SEED_COMMITMENT + b"\x00" + ctx + seed).digest()
 
 
 def _share_context(

@@ -12,6 +12,7 @@ stream keyed by ``SHA-256(seed, party)`` (deterministic, for tests and docs only
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -85,19 +86,25 @@ class LocalFederation:
         self.states[site] = client.state_dict()
         return _roundtrip(reply)
 
-    def setup(self, sites: Iterable[int] | None = None, *, drop: Iterable[int] = ()) -> tuple[int, ...]:
+    def setup(
+        self, sites: Iterable[int] | None = None, *, drop: Iterable[int] = ()
+    ) -> tuple[int, ...]:
         """Run the two key-setup exchanges; sites in ``drop`` vanish after advertising."""
         invited = tuple(range(self.num_sites)) if sites is None else tuple(sites)
         gone = set(drop)
         request = _roundtrip(self.server.begin_setup(invited))
         for i in invited:
-            self.server.receive_advertise(self._on_site(i, lambda c: c.handle_advertise(request)))
+            self.server.receive_advertise(
+                self._on_site(i, functools.partial(ClientState.handle_advertise, request=request))
+            )
         share_requests = self.server.close_advertise()
         for i, req in share_requests.items():
             if i in gone:
                 continue
             req = _roundtrip(req)
-            self.server.receive_share_keys(self._on_site(i, lambda c: c.handle_share_keys(req)))
+            self.server.receive_share_keys(
+                self._on_site(i, functools.partial(ClientState.handle_share_keys, request=req))
+            )
         return self.server.close_share_keys()
 
     def run_round(
@@ -123,9 +130,10 @@ class LocalFederation:
         for i, req in requests.items():
             rng = np.random.default_rng([self.seed or 0, i, self._round])
             req = _roundtrip(req)
-            upload = self._on_site(
-                i, lambda c: c.handle_round(req, updates[i], weights[i], rng=rng)
+            step = functools.partial(
+                ClientState.handle_round, request=req, update=updates[i], weight=weights[i], rng=rng
             )
+            upload = self._on_site(i, step)
             if i not in before:
                 self.server.receive_upload(upload)
         unmask = self.server.close_uploads()
@@ -133,7 +141,9 @@ class LocalFederation:
             if i in after:
                 continue
             ureq = _roundtrip(ureq)
-            self.server.receive_unmask(self._on_site(i, lambda c: c.handle_unmask(ureq)))
+            self.server.receive_unmask(
+                self._on_site(i, functools.partial(ClientState.handle_unmask, request=ureq))
+            )
         return self.server.finish_round()
 
 
@@ -224,7 +234,5 @@ def run_local(
     params.neighbours_for(len(arrays))  # explain impossible (threshold, k, N) up front
     fed = LocalFederation(len(arrays), params, seed=seed)
     fed.setup()
-    result = fed.run_round(
-        arrays, w, drop_before_upload=before, drop_after_upload=after
-    )
+    result = fed.run_round(arrays, w, drop_before_upload=before, drop_after_upload=after)
     return result.mean.reshape(arrays[0].shape)

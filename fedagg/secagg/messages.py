@@ -113,7 +113,9 @@ class Message:
             if kind == "int":
                 parts.append(f"{name}={value}")
             elif kind == "ids":
-                parts.append(f"{name}={list(value)}" if len(value) <= 16 else f"{name}=<{len(value)} ids>")
+                parts.append(
+                    f"{name}={list(value)}" if len(value) <= 16 else f"{name}=<{len(value)} ids>"
+                )
             elif kind == "bytes":
                 parts.append(f"{name}=<{len(value)} bytes>")
             else:
@@ -235,6 +237,7 @@ class MaskedUpload(Message):
         ("epoch", "int"),
         ("round", "int"),
         ("masked", "u32"),
+        ("b_commitment", "bytes"),
         ("b_recipients", "ids"),
         ("b_ciphertexts", "bytes"),
         ("next_gen", "int"),
@@ -246,6 +249,7 @@ class MaskedUpload(Message):
     epoch: int
     round: int
     masked: NDArray[np.uint32]
+    b_commitment: bytes
     b_recipients: Ids
     b_ciphertexts: bytes
     next_gen: int

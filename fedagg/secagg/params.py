@@ -130,7 +130,11 @@ class SecAggParams:
             raise ConfigError(
                 explain("sites", num_sites, "secure aggregation needs >= 2 sites", "add sites")
             )
-        k = default_num_neighbours(num_sites) if self.num_neighbours is None else self.num_neighbours
+        k = (
+            default_num_neighbours(num_sites)
+            if self.num_neighbours is None
+            else self.num_neighbours
+        )
         k = min(k, num_sites - 1)
         if (k * num_sites) % 2:
             k += 1

@@ -28,7 +28,13 @@ from numpy.typing import NDArray
 from fedagg.errors import AbortRound, ConfigError, ProtocolError, VerificationError, explain
 from fedagg.secagg import fixed_point, shamir
 from fedagg.secagg.graph import graph_seed, harary_graph
-from fedagg.secagg.keys import SecretKey, check_public_key, pairwise_mask_key, self_mask_key
+from fedagg.secagg.keys import (
+    SecretKey,
+    check_public_key,
+    commit_seed,
+    pairwise_mask_key,
+    self_mask_key,
+)
 from fedagg.secagg.masking import add_masks, pairwise_sign
 from fedagg.secagg.messages import (
     KeyAdvertise,
@@ -158,7 +164,9 @@ class ServerState:
     def _check(self, msg_epoch: int, msg_round: int | None = None) -> None:
         if msg_epoch != self.epoch or (msg_round is not None and msg_round != self._round):
             raise ProtocolError(
-                explain("epoch/round", (msg_epoch, msg_round), "stale or foreign message", "drop it")
+                explain(
+                    "epoch/round", (msg_epoch, msg_round), "stale or foreign message", "drop it"
+                )
             )
 
     # -- setup -----------------------------------------------------------------------------
@@ -277,11 +285,15 @@ class ServerState:
                 )
             )
         self._round, self._participants, self._dim, self._frac_bits = (
-            round_number, part, dim, frac_bits,
+            round_number,
+            part,
+            dim,
+            frac_bits,
         )
         self._nbrs = nbrs
         self._used = {i: (self._keys[i].gen, self._keys[i].public) for i in part}
         self._uploads: dict[int, NDArray[np.uint32]] = {}
+        self._commitments: dict[int, bytes] = {}
         self._b_cts: dict[tuple[int, int], bytes] = {}
         self._responses: dict[int, UnmaskResponse] = {}
         self.stage = ServerStage.COLLECTING
@@ -308,18 +320,21 @@ class ServerState:
             raise ProtocolError(explain("site", i, "not a participant, or duplicate", "drop it"))
         if msg.masked.shape != (self._dim + 1,):
             raise ProtocolError(explain("masked", msg.masked.shape, f"need {self._dim + 1}", "-"))
-        if tuple(msg.b_recipients) != self._nbrs[i] or tuple(msg.next_recipients) != self._graph[
-            i
-        ]:
+        if tuple(msg.b_recipients) != self._nbrs[i] or tuple(msg.next_recipients) != self._graph[i]:
             raise ProtocolError(explain("recipients", "mismatch", "must follow the graph", "-"))
         if msg.next_gen != self._used[i][0] + 1:
             raise ProtocolError(explain("next_gen", msg.next_gen, "must be gen + 1", "-"))
         public = check_public_key(msg.next_s_public, "next_s_public")
+        if len(msg.b_commitment) != 32:
+            raise ProtocolError(explain("b_commitment", len(msg.b_commitment), "need 32", "-"))
         b_cts = split_blob(msg.b_ciphertexts, len(self._nbrs[i]), "b_ciphertexts")
         next_cts = split_blob(msg.next_ciphertexts, len(self._graph[i]), "next_ciphertexts")
         self._uploads[i] = msg.masked
+        self._commitments[i] = msg.b_commitment
         self._b_cts.update({(i, j): ct for j, ct in zip(self._nbrs[i], b_cts, strict=True)})
-        self._keys[i] = _MaskKey(msg.next_gen, public, dict(zip(self._graph[i], next_cts)))
+        self._keys[i] = _MaskKey(
+            msg.next_gen, public, dict(zip(self._graph[i], next_cts, strict=True))
+        )
 
     def _recoverable(self, alive: set[int], dropped: set[int]) -> list[str]:
         t = self.params.threshold
@@ -417,10 +432,15 @@ class ServerState:
         total = np.zeros(self._dim + 1, np.uint32)
         for vec in self._uploads.values():
             np.add(total, vec, out=total)
-        ctx = {"run_id": self.run_id, "epoch": self.epoch, "round_number": self._round}
-        self_keys = [
-            (-1, self_mask_key(shamir.reconstruct(b_shares[i], t), site=i, **ctx)) for i in counted
-        ]
+        run_id, epoch, rnd = self.run_id, self.epoch, self._round
+        self_keys = []
+        for i in counted:
+            seed = shamir.reconstruct(b_shares[i], t)
+            commitment = commit_seed(seed, run_id=run_id, epoch=epoch, round_number=rnd, site=i)
+            if commitment != self._commitments[i]:
+                raise VerificationError()
+            key = self_mask_key(seed, run_id=run_id, epoch=epoch, round_number=rnd, site=i)
+            self_keys.append((-1, key))
         add_masks(total, self_keys)
         for j in need_s:
             secret = SecretKey(shamir.reconstruct(s_shares[j], t))
@@ -429,7 +449,14 @@ class ServerState:
             pair_keys = [
                 (
                     -pairwise_sign(i, j),
-                    pairwise_mask_key(secret.exchange(self._used[i][1]), a=i, b=j, **ctx),
+                    pairwise_mask_key(
+                        secret.exchange(self._used[i][1]),
+                        run_id=run_id,
+                        epoch=epoch,
+                        round_number=rnd,
+                        a=i,
+                        b=j,
+                    ),
                 )
                 for i in self._nbrs[j]
                 if i in self._uploads

@@ -167,9 +167,9 @@ def split(
     coefficients = np.empty((threshold, NUM_LIMBS), np.uint64)
     coefficients[0] = secret_to_limbs(secret)
     if threshold > 1:
-        coefficients[1:] = random_field_elements(
-            (threshold - 1) * NUM_LIMBS, random_bytes
-        ).reshape(threshold - 1, NUM_LIMBS)
+        coefficients[1:] = random_field_elements((threshold - 1) * NUM_LIMBS, random_bytes).reshape(
+            threshold - 1, NUM_LIMBS
+        )
     ys = evaluate(coefficients, xs).astype(np.uint32)
     return [Share(x, ys[i]) for i, x in enumerate(xs)]
 
