@@ -80,37 +80,39 @@ class StageContext:
         """A :class:`~fedagg.errors.ConfigError` naming the spec, this part, rule and fix."""
         return ConfigError(explain(f"compression spec {self.spec!r}, part", self.part, rule, fix))
 
+    def fix(self) -> str:
+        """A usage hint for this stage (built-in stages show examples)."""
+        return _FIXES.get(self.name, f"see the documentation of the {self.name!r} stage")
+
     def expect(self, positional: int, keys: set[str]) -> None:
         """Reject more than ``positional`` positional args or keys outside ``keys``."""
         if len(self.args) > positional:
-            raise self.error(
-                f"takes at most {positional} positional argument(s)", _FIXES[self.name]
-            )
+            raise self.error(f"takes at most {positional} positional argument(s)", self.fix())
         bad = sorted(set(self.kwargs) - keys)
         if bad:
-            raise self.error(f"unknown option(s) {bad}; known: {sorted(keys)}", _FIXES[self.name])
+            raise self.error(f"unknown option(s) {bad}; known: {sorted(keys)}", self.fix())
 
     def number(self, text: str, what: str) -> float:
         """Parse a finite float."""
         try:
             x = float(text)
         except ValueError:
-            raise self.error(f"{what} {text!r} is not a number", _FIXES[self.name]) from None
+            raise self.error(f"{what} {text!r} is not a number", self.fix()) from None
         if not math.isfinite(x):
-            raise self.error(f"{what} must be finite", _FIXES[self.name])
+            raise self.error(f"{what} must be finite", self.fix())
         return x
 
     def ratio(self, text: str) -> float:
         """Parse a ratio in [0, 1]."""
         x = self.number(text, "ratio")
         if not 0.0 <= x <= 1.0:
-            raise self.error(f"ratio {text} must be in [0, 1]", _FIXES[self.name])
+            raise self.error(f"ratio {text} must be in [0, 1]", self.fix())
         return x
 
     def count(self, text: str, what: str = "k") -> int:
         """Parse a non-negative integer."""
         if not text.isdigit():
-            raise self.error(f"{what} {text!r} must be a non-negative integer", _FIXES[self.name])
+            raise self.error(f"{what} {text!r} must be a non-negative integer", self.fix())
         return int(text)
 
     def public(self) -> tuple[bytes, int]:
@@ -142,20 +144,29 @@ _FIXES: dict[str, str] = {
 }
 
 
-def _amount(ctx: StageContext) -> tuple[float | None, int | None]:
-    """Ratio (a value with '.' or 'e') or k (an integer) from args/kwargs."""
-    if "ratio" in ctx.kwargs and "k" in ctx.kwargs:
-        raise ctx.error("give ratio or k, not both", _FIXES[ctx.name])
+def _words(ctx: StageContext, allowed: tuple[str, ...], what: str) -> tuple[list[str], str | None]:
+    """Split positional args into amounts (anything not a word) and at most one mode word."""
+    nums = [a for a in ctx.args if not a.isalpha() or a in ("nan", "inf")]
+    words = [a for a in ctx.args if a not in nums]
+    if len(words) > 1 or any(w not in allowed for w in words):
+        raise ctx.error(f"{what} {words} must be one of {list(allowed)}", ctx.fix())
+    return nums, (words[0] if words else None)
+
+
+def _amount(ctx: StageContext, nums: list[str]) -> tuple[float | None, int | None]:
+    """Ratio (a number with '.' or 'e') or k (an integer) from the args / kwargs."""
+    given = [*nums, *(f"{k}=" for k in ("ratio", "k") if k in ctx.kwargs)]
+    if len(given) > 1:
+        raise ctx.error("give one amount: a ratio or k, not both", ctx.fix())
     if "ratio" in ctx.kwargs:
         return ctx.ratio(ctx.kwargs["ratio"]), None
     if "k" in ctx.kwargs:
         return None, ctx.count(ctx.kwargs["k"])
-    if not ctx.args:
-        raise ctx.error("needs a ratio (e.g. 0.01) or k=<int>", _FIXES[ctx.name])
-    first = ctx.args[0]
-    if first.isdigit():
-        return None, int(first)
-    return ctx.ratio(first), None
+    if not nums:
+        raise ctx.error("needs a ratio (e.g. 0.01) or k=<int>", ctx.fix())
+    if nums[0].isdigit():
+        return None, int(nums[0])
+    return ctx.ratio(nums[0]), None
 
 
 def _k_total(ratio: float | None, k: int | None, dim: int) -> int:
@@ -169,20 +180,19 @@ def _none(ctx: StageContext) -> Identity:
 
 def _topk(ctx: StageContext) -> TopK:
     ctx.expect(2, {"ratio", "k", "scope"})
-    ratio, k = _amount(ctx)
-    scope = ctx.kwargs.get("scope", ctx.args[1] if len(ctx.args) > 1 else "tensor")
+    nums, word = _words(ctx, ("tensor", "global"), "scope")
+    ratio, k = _amount(ctx, nums)
+    scope = ctx.kwargs.get("scope", word or "tensor")
     if scope not in ("tensor", "global"):
-        raise ctx.error(f"scope {scope!r} must be 'tensor' or 'global'", _FIXES["topk"])
+        raise ctx.error(f"scope {scope!r} must be 'tensor' or 'global'", ctx.fix())
     return TopK(ratio, k=k, scope="global" if scope == "global" else "tensor")
 
 
 def _randk(ctx: StageContext) -> RandomK:
     ctx.expect(2, {"ratio", "k"})
-    ratio, k = _amount(ctx)
-    mode = ctx.args[1] if len(ctx.args) > 1 else "private"
-    if mode not in ("private", "shared"):
-        raise ctx.error(f"mode {mode!r} must be 'private' or 'shared'", _FIXES["randk"])
-    if mode == "private":
+    nums, word = _words(ctx, ("private", "shared"), "mode")
+    ratio, k = _amount(ctx, nums)
+    if word != "shared":
         return RandomK(ratio, k=k)
     seed, rnd = ctx.public()
     return RandomK(ratio, k=k, seed=seed, round=rnd)
@@ -190,21 +200,21 @@ def _randk(ctx: StageContext) -> RandomK:
 
 def _shared(ctx: StageContext) -> SharedSupport:
     ctx.expect(1, {"ratio", "k"})
-    ratio, k = _amount(ctx)
+    ratio, k = _amount(ctx, list(ctx.args))
     seed, rnd = ctx.public()
     return SharedSupport(lambda d: random_support(d, _k_total(ratio, k, d), round=rnd, seed=seed))
 
 
 def _block(ctx: StageContext) -> SharedSupport:
     ctx.expect(1, {"ratio", "k"})
-    ratio, k = _amount(ctx)
+    ratio, k = _amount(ctx, list(ctx.args))
     seed, rnd = ctx.public()
     return SharedSupport(lambda d: block_support(d, _k_total(ratio, k, d), round=rnd, seed=seed))
 
 
 def _aggtopk(ctx: StageContext) -> SharedSupport:
     ctx.expect(1, {"ratio", "k", "random"})
-    ratio, k = _amount(ctx)
+    ratio, k = _amount(ctx, list(ctx.args))
     frac = ctx.ratio(ctx.kwargs["random"]) if "random" in ctx.kwargs else 0.0
     seed, rnd = ctx.public()
     agg = ctx.previous_aggregate

@@ -102,14 +102,24 @@ class _UniformStream:
 
 def _first_distinct(stream: _UniformStream, m: int) -> NDArray[np.int64]:
     """The first ``m`` distinct values of the stream, in stream order (m <= dim / 2)."""
-    seen = np.empty(0, dtype=np.int64)
-    while True:
-        have = np.unique(seen).shape[0]
-        if have >= m:
-            break
-        seen = np.concatenate([seen, stream.draw(2 * (m - have) + 64)])
-    _, first = np.unique(seen, return_index=True)
-    return seen[np.sort(first)[:m]]
+    parts: list[NDArray[np.int64]] = []
+    known = np.empty(0, dtype=np.int64)  # sorted values taken so far
+    have = 0
+    while have < m:
+        batch = stream.draw(2 * (m - have) + 64)
+        order = np.argsort(batch, kind="stable")
+        ranked = batch[order]
+        is_first = np.ones(ranked.shape[0], dtype=bool)
+        is_first[1:] = ranked[1:] != ranked[:-1]
+        batch = batch[np.sort(order[is_first])]  # distinct within the batch, stream order kept
+        if known.shape[0]:
+            pos = np.searchsorted(known, batch).clip(max=known.shape[0] - 1)
+            batch = batch[known[pos] != batch]
+        fresh = batch[: m - have]
+        parts.append(fresh)
+        known = np.sort(np.concatenate([known, fresh]))
+        have += fresh.shape[0]
+    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
 
 def random_support(dim: int, k: int, *, round: int, seed: bytes) -> NDArray[np.int64]:

@@ -57,7 +57,9 @@ def golden_payload() -> Payload:
             TensorPayload(
                 (2,), WireDType.BFLOAT16, float32_to_bf16_bits(np.array([1.0, -0.5], np.float32))
             ),
-            TensorPayload((3,), WireDType.FLOAT16, np.array([0.5], np.float16), implicit_indices=True),
+            TensorPayload(
+                (3,), WireDType.FLOAT16, np.array([0.5], np.float16), implicit_indices=True
+            ),
         )
     )
 
@@ -243,7 +245,9 @@ def test_index_width_is_smallest_that_fits(gap: int, width: int) -> None:
 
 
 def test_max_elements_guard() -> None:
-    t = TensorPayload((1000,), WireDType.FLOAT32, np.zeros(0, np.float32), indices=np.zeros(0, np.int64))
+    t = TensorPayload(
+        (1000,), WireDType.FLOAT32, np.zeros(0, np.float32), indices=np.zeros(0, np.int64)
+    )
     data = codec.encode(Payload((t,)))
     assert codec.decode(data).numel == 1000
     with pytest.raises(CodecError, match="max_elements"):
@@ -274,13 +278,18 @@ def test_decode_accepts_bytes_like() -> None:
         TensorPayload((2,), WireDType.FLOAT16, np.ones(2, np.float32)),
         # NaN scale
         TensorPayload(
-            (2,), WireDType.INT8, np.ones(2, np.int8), scales=np.array([np.nan], np.float32),
+            (2,),
+            WireDType.INT8,
+            np.ones(2, np.int8),
+            scales=np.array([np.nan], np.float32),
             chunk_size=2,
         ),
         # missing scales
         TensorPayload((2,), WireDType.INT8, np.ones(2, np.int8), chunk_size=2),
         # scales on a float tensor
-        TensorPayload((1,), WireDType.FLOAT32, np.ones(1, np.float32), scales=np.ones(1, np.float32)),
+        TensorPayload(
+            (1,), WireDType.FLOAT32, np.ones(1, np.float32), scales=np.ones(1, np.float32)
+        ),
     ],
 )
 def test_encode_rejects_invalid_payloads(tensor: TensorPayload) -> None:

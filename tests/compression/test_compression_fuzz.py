@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import tracemalloc
 from collections.abc import Callable
@@ -79,7 +80,9 @@ def _malformed() -> list[tuple[str, bytes]]:
         (f"n_tensors {n}", _patch(base, 6, "<I", n)) for n in (0, 1, 3, 4, 1000, 2**31, 2**32 - 1)
     ]
     # 4. tensor header fields
-    cases += [(f"dtype {d}", _patch(base, T0, "<B", d)) for d in range(256) if d not in (1, 2, 3, 4)]
+    cases += [
+        (f"dtype {d}", _patch(base, T0, "<B", d)) for d in range(256) if d not in (1, 2, 3, 4)
+    ]
     cases += [
         (f"index code {c}", _patch(base, T0 + 1, "<B", c)) for c in range(256) if c not in (1,)
     ]
@@ -100,15 +103,20 @@ def _malformed() -> list[tuple[str, bytes]]:
     good = _single(t)
     idx_at = T0 + 16 + 8  # u8 deltas 1, 1, 7
     cases += [(f"delta[1] = 0 (duplicate) {good!r}", _patch(good, idx_at + 1, "<B", 0))]
-    cases += [(f"delta[2] = 0 (duplicate)", _patch(good, idx_at + 2, "<B", 0))]
-    cases += [(f"delta[2] = {d} (out of range)", _patch(good, idx_at + 2, "<B", d)) for d in range(8, 256)]
-    cases += [(f"delta[0] = {d} (out of range)", _patch(good, idx_at, "<B", d)) for d in range(10, 256)]
+    cases += [("delta[2] = 0 (duplicate)", _patch(good, idx_at + 2, "<B", 0))]
+    cases += [
+        (f"delta[2] = {d} (out of range)", _patch(good, idx_at + 2, "<B", d)) for d in range(8, 256)
+    ]
+    cases += [
+        (f"delta[0] = {d} (out of range)", _patch(good, idx_at, "<B", d)) for d in range(10, 256)
+    ]
     wide = _single(
-        TensorPayload((70000,), WireDType.FLOAT32, np.ones(2, np.float32), indices=np.array([0, 69999]))
+        TensorPayload(
+            (70000,), WireDType.FLOAT32, np.ones(2, np.float32), indices=np.array([0, 69999])
+        )
     )
     cases += [
-        (f"u32 delta {d}", _patch(wide, T0 + 24 + 4, "<I", d))
-        for d in (0, 70000, 2**31, 2**32 - 1)
+        (f"u32 delta {d}", _patch(wide, T0 + 24 + 4, "<I", d)) for d in (0, 70000, 2**31, 2**32 - 1)
     ]
     # 6. scales: NaN, inf, negative
     q = _single(
@@ -118,7 +126,10 @@ def _malformed() -> list[tuple[str, bytes]]:
     )
     sc = len(q) - 8
     for bad in (float("nan"), float("inf"), float("-inf"), -1.0, -1e-30):
-        cases += [(f"scale0 {bad}", _patch(q, sc, "<f", bad)), (f"scale1 {bad}", _patch(q, sc + 4, "<f", bad))]
+        cases += [
+            (f"scale0 {bad}", _patch(q, sc, "<f", bad)),
+            (f"scale1 {bad}", _patch(q, sc + 4, "<f", bad)),
+        ]
     cases += [(f"int8 chunk {c}", _patch(q, T0 + 4, "<I", c)) for c in (0, 1, 4, 5, 2**32 - 1)]
     # 7. dense tensor whose nnz disagrees with its shape, claims huge shapes
     d = _single(TensorPayload((4,), WireDType.FLOAT32, np.ones(4, np.float32)))
@@ -128,7 +139,9 @@ def _malformed() -> list[tuple[str, bytes]]:
         for n in (5, 2**20, 2**40, 2**63)
     ]
     # 8. shared-support tensor with nnz > numel
-    s = _single(TensorPayload((4,), WireDType.FLOAT32, np.ones(2, np.float32), implicit_indices=True))
+    s = _single(
+        TensorPayload((4,), WireDType.FLOAT32, np.ones(2, np.float32), implicit_indices=True)
+    )
     cases += [(f"shared nnz {n}", _patch(s, T0 + 8, "<Q", n)) for n in (3, 5, 2**40)]
     return cases
 
@@ -171,10 +184,8 @@ def test_every_malformed_payload_raises_codec_error() -> None:
 def _peak_bytes(fn: Callable[[], object]) -> int:
     tracemalloc.start()
     try:
-        try:
+        with contextlib.suppress(CodecError):
             fn()
-        except CodecError:
-            pass
         return tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -234,7 +245,5 @@ _MESSAGES = _valid_messages()
 @given(st.binary(min_size=0, max_size=200))
 def test_random_bytes_with_magic(blob: bytes) -> None:
     for data in (blob, b"FAGC\x01\x00" + blob):
-        try:
+        with contextlib.suppress(CodecError):
             codec.decode(data)
-        except CodecError:
-            pass
