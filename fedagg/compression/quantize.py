@@ -38,7 +38,6 @@ from fedagg.errors import CodecError, ConfigError, explain
 __all__ = ["BF16", "FP16", "Int8", "quantize_int8"]
 
 _FP16_MAX = float(np.finfo(np.float16).max)
-_TINY_SCALE = float(np.finfo(np.float32).smallest_subnormal)
 
 
 def _float_input(payload: Payload, who: str) -> None:
@@ -104,8 +103,8 @@ def quantize_int8(
 ) -> tuple[NDArray[np.int8], NDArray[np.float32]]:
     """Quantize 1-D values to int8 with one scale per chunk of ``chunk_size`` values.
 
-    ``scale = max|v| / 127`` per chunk (the smallest subnormal float32 when that rounds to 0
-    but the chunk is not all zero), ``q = v / scale`` rounded and clipped to [-127, 127].
+    ``scale = max|v| / 127`` per chunk, rounded up to a float32 (one ulp up where rounding
+    to nearest went below), ``q = v / scale`` rounded and clipped to [-127, 127].
 
     * deterministic (round half to even): ``|v - q * scale| <= scale / 2``;
     * stochastic: ``q = floor(v / scale + u)``, ``u ~ U[0, 1)``, so ``E[q * scale] = v`` and
@@ -146,7 +145,10 @@ def quantize_int8(
     chunks = padded.reshape(n_chunks, chunk_size)
     amax = np.max(np.abs(chunks), axis=1)
     scales = (amax / 127.0).astype(np.float32)
-    scales[(scales == 0) & (amax > 0)] = _TINY_SCALE
+    # float32 rounding (coarse for subnormals) may push the scale below amax / 127; step it
+    # up one ulp so that |v / scale| <= 127 and the error bounds hold exactly.
+    low = scales.astype(np.float64) * 127.0 < amax
+    scales[low] = np.nextafter(scales[low], np.float32(np.inf))
     safe = np.where(scales > 0, scales.astype(np.float64), 1.0)
     x = chunks / safe[:, None]
     if stochastic:

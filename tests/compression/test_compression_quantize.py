@@ -87,6 +87,9 @@ def test_int8_rejects_non_finite_and_tiny_values_survive() -> None:
     tiny = np.array([1e-45, -1e-45], np.float32)  # smallest subnormal: amax / 127 rounds to 0
     err, scale = _int8_error(tiny, 2, stochastic=False)
     assert np.all(scale > 0) and np.all(err <= scale / 2)
+    sub = np.array([3.991e-42], np.float32)  # amax / 127 rounds *down* to a subnormal
+    err, scale = _int8_error(sub, 1, stochastic=False)
+    assert np.all(err <= scale / 2)
 
 
 def test_int8_needs_rng_for_stochastic() -> None:
