@@ -361,6 +361,8 @@ class ServerState:
         dropped = set(self._participants) - counted
         self._stale |= dropped
         problems = self._recoverable(counted, dropped)
+        if not counted:
+            problems.append("no site uploaded")
         if problems:
             self.stage = ServerStage.READY
             raise AbortRound(f"round {self._round} aborted: " + "; ".join(problems))

@@ -1,0 +1,155 @@
+"""Security checks: masked uploads look uniform, and no key or share material reaches reprs
+or logs."""
+
+from __future__ import annotations
+
+import base64
+import logging
+
+import numpy as np
+import pytest
+
+import fedagg.secagg.local as local_mod
+from fedagg.secagg import (
+    ClientState,
+    LocalFederation,
+    SecAggParams,
+    ServerState,
+    deterministic_random_bytes,
+    run_local,
+)
+from fedagg.secagg import shamir as shamir_mod
+from fedagg.secagg.keys import SecretKey
+
+
+def chi2_top_byte(words: np.ndarray) -> float:
+    counts = np.bincount((words >> 24).astype(np.int64), minlength=256)
+    expected = words.size / 256
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+CHI2_LIMIT = 400.0  # df = 255 (mean 255, sd 22.6): 400 is > 6 sd out
+
+
+def test_single_masked_upload_is_uniform() -> None:
+    """An all-zero update with a weight: its masked upload is indistinguishable from uniform
+    on Z_2^32, while the unmasked encoding is wildly non-uniform (the test can fail)."""
+    params = SecAggParams(threshold=2, weight_scale=1.0)
+    server = ServerState(params, run_id=b"uniformity")
+    clients = {
+        i: ClientState(i, params, random_bytes=deterministic_random_bytes(4, str(i)))
+        for i in range(3)
+    }
+    adv = server.begin_setup(range(3))
+    for c in clients.values():
+        server.receive_advertise(c.handle_advertise(adv))
+    for i, req in server.close_advertise().items():
+        server.receive_share_keys(clients[i].handle_share_keys(req))
+    server.close_share_keys()
+    dim = 200_000
+    req = server.begin_round(1, range(3), dim)[0]
+    upload = clients[0].handle_round(req, np.zeros(dim), 1.0, rng=np.random.default_rng(0))
+    assert chi2_top_byte(upload.masked) < CHI2_LIMIT
+    # bits individually balanced too (low and high)
+    bits = (upload.masked[:, None] >> np.arange(32, dtype=np.uint32)) & 1
+    assert np.all(np.abs(bits.mean(axis=0) - 0.5) < 0.01)
+    from fedagg.secagg.fixed_point import encode
+
+    plain = encode(np.zeros(dim), 2**20, frac_bits=20, clip=1.0, rng=np.random.default_rng(0))
+    assert chi2_top_byte(plain) > 10 * CHI2_LIMIT
+
+
+def test_pairwise_masks_cancel_only_with_all_survivors() -> None:
+    """Sum of uploads of a strict subset still looks uniform (only the full sum unmasks)."""
+    f = LocalFederation(4, SecAggParams(threshold=2, weight_scale=1.0), seed=2)
+    f.setup()
+    captured: list[np.ndarray] = []
+    real = f.server.receive_upload
+
+    def spy(msg):  # type: ignore[no-untyped-def]
+        captured.append(msg.masked.copy())
+        real(msg)
+
+    f.server.receive_upload = spy  # type: ignore[method-assign]
+    f.run_round([np.zeros(100_000)] * 4, [1.0] * 4)
+    partial = captured[0] + captured[1] + captured[2]
+    assert chi2_top_byte(partial) < CHI2_LIMIT
+
+
+@pytest.fixture
+def recorded_secrets(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Record every random byte string and every Shamir share made during a run."""
+    secrets: list[bytes] = []
+    real_rb = local_mod.deterministic_random_bytes
+
+    def recording(seed: int, party: str):  # type: ignore[no-untyped-def]
+        inner = real_rb(seed, party)
+
+        def rb(n: int) -> bytes:
+            out = inner(n)
+            secrets.append(out)
+            return out
+
+        return rb
+
+    real_split = shamir_mod.split
+
+    def split(*args, **kwargs):  # type: ignore[no-untyped-def]
+        shares = real_split(*args, **kwargs)
+        secrets.extend(s.y.tobytes() for s in shares)
+        return shares
+
+    monkeypatch.setattr(local_mod, "deterministic_random_bytes", recording)
+    monkeypatch.setattr(shamir_mod, "split", split)
+    return secrets
+
+
+def _forms(secret: bytes) -> list[str]:
+    chunk = secret[:12] if len(secret) >= 12 else secret
+    return [
+        chunk.hex(),
+        chunk.hex().upper(),
+        repr(chunk)[2:-1],
+        base64.b64encode(secret).decode()[:16],
+    ]
+
+
+def test_logs_and_reprs_hold_no_secret_material(
+    recorded_secrets: list[bytes], caplog: pytest.LogCaptureFixture
+) -> None:
+    rng = np.random.default_rng(0)
+    updates = [rng.normal(size=8) for _ in range(7)]
+    with caplog.at_level(logging.DEBUG, logger="fedagg"):
+        f = LocalFederation(7, SecAggParams(threshold=3, weight_scale=5.0), seed=1)
+        f.setup()
+        res = f.run_round(updates, [1.0] * 7, drop_before_upload=[1], drop_after_upload=[4])
+        run_local(updates, [1.0] * 7, threshold=3, drop_before_upload=[2])
+    assert caplog.records, "the protocol should log its stages at DEBUG"
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    clients = []
+    for i, state in f.states.items():
+        c = ClientState(i, f.params, random_bytes=deterministic_random_bytes(0, "x"))
+        c.load_state_dict(state)
+        clients.append(c)
+        recorded_secrets.extend(v for k, v in state.items() if k.endswith("secret") and v)
+    reprs = [repr(c) for c in clients] + [repr(f.server), repr(res), str(res)]
+    reprs.append(repr(SecretKey(bytes(range(32)))))
+    big = [s for s in recorded_secrets if isinstance(s, bytes) and len(s) >= 8]
+    assert len(big) > 50
+    haystack = text + "\n".join(reprs)
+    for secret in big:
+        for form in _forms(secret):
+            assert form not in haystack
+
+
+def test_message_reprs_hide_shares_and_ciphertexts() -> None:
+    f = LocalFederation(3, SecAggParams(threshold=1), seed=0)
+    f.setup()
+    server = f.server
+    req = server.begin_round(1, [0, 1, 2], 3)[0]
+    c = ClientState(0, f.params, random_bytes=deterministic_random_bytes(0, "site-0"))
+    c.load_state_dict(f.states[0])
+    up = c.handle_round(req, np.zeros(3), 0.5, rng=np.random.default_rng(0))
+    text = repr(up) + repr(req)
+    assert up.b_ciphertexts[:8].hex() not in text and "bytes>" in text
+    assert "masked=<array (4,)>" in text
