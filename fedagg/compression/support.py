@@ -17,11 +17,11 @@ in the residual.
 
 Determinism
 -----------
-Randomness comes from a NumPy ``PCG64`` bit generator seeded with
-``SHA-256("fedagg/compression/support/v1" || purpose || len(seed) || seed || round)``; only
-its raw 64-bit output stream is used (bit generators and ``SeedSequence`` are stream-stable
-across NumPy versions, unlike ``Generator`` methods), mapped to ``[0, dim)`` by rejection
-sampling. The result is a pure function of ``(dim, k, round, seed)``.
+Randomness is the SHAKE-256 extendable-output function (FIPS 202) of
+``"fedagg/compression/support/v1" || purpose || seed || round`` (each part length-prefixed),
+read as little-endian 64-bit words and mapped to ``[0, dim)`` by rejection sampling. The
+result is a pure function of ``(dim, k, round, seed)``, specified without reference to any
+library's random-number API, so sites on different NumPy builds agree.
 
 References
 ----------
@@ -76,25 +76,30 @@ def _check_common(fn: str, dim: int, k: int, round_: int, seed: bytes) -> None:
         )
 
 
-def _bitgen(seed: bytes, round_: int, purpose: bytes) -> np.random.PCG64:
-    h = hashlib.sha256()
-    for part in (_DOMAIN, purpose, len(seed).to_bytes(8, "big"), seed):
-        h.update(len(part).to_bytes(8, "big") + part)
-    h.update(int(round_).to_bytes(8, "big"))
-    return np.random.PCG64(np.random.SeedSequence(int.from_bytes(h.digest(), "big")))
+def _stream_key(seed: bytes, round_: int, purpose: bytes) -> bytes:
+    parts = (_DOMAIN, purpose, seed, int(round_).to_bytes(8, "big"))
+    return b"".join(len(p).to_bytes(8, "big") + p for p in parts)
 
 
 class _UniformStream:
-    """Uniform integers in [0, dim) from a raw 64-bit stream, by rejection (no modulo bias)."""
+    """Uniform integers in [0, dim) from a SHAKE-256 stream, by rejection (no modulo bias)."""
 
-    def __init__(self, bitgen: np.random.PCG64, dim: int) -> None:
-        self._bg = bitgen
+    def __init__(self, key: bytes, dim: int) -> None:
+        self._xof = hashlib.shake_256(key)
+        self._words = 0  # 64-bit words consumed so far
         self._dim = dim
         limit = (_U64 // dim) * dim
         self._limit = None if limit == _U64 else np.uint64(limit)
 
+    def raw(self, n: int) -> NDArray[np.uint64]:
+        """The next ``n`` 64-bit words of the stream."""
+        start, self._words = self._words, self._words + n
+        out = self._xof.digest(8 * self._words)[8 * start :]
+        return np.frombuffer(out, dtype="<u8").astype(np.uint64)
+
     def draw(self, n: int) -> NDArray[np.int64]:
-        raw = np.asarray(self._bg.random_raw(n), dtype=np.uint64)
+        """Map the next ``n`` words to [0, dim), dropping the (rare) rejected ones."""
+        raw = self.raw(n)
         if self._limit is not None:
             raw = raw[raw < self._limit]
         return (raw % np.uint64(self._dim)).astype(np.int64)
@@ -150,7 +155,7 @@ def random_support(dim: int, k: int, *, round: int, seed: bytes) -> NDArray[np.i
         return np.empty(0, dtype=np.int64)
     if k == dim:
         return np.arange(dim, dtype=np.int64)
-    stream = _UniformStream(_bitgen(seed, round, b"random"), dim)
+    stream = _UniformStream(_stream_key(seed, round, b"random"), dim)
     if k <= dim // 2:
         return np.sort(_first_distinct(stream, k))
     excluded = _first_distinct(stream, dim - k)
@@ -179,7 +184,11 @@ def block_support(dim: int, k: int, *, round: int, seed: bytes) -> NDArray[np.in
     dim, k = int(dim), int(k)
     if k == 0:
         return np.empty(0, dtype=np.int64)
-    start = int(_UniformStream(_bitgen(seed, round, b"block"), dim).draw(64)[0])
+    stream = _UniformStream(_stream_key(seed, round, b"block"), dim)
+    first = stream.draw(1)
+    while first.shape[0] == 0:  # rejected (probability < 2**-63 per word)
+        first = stream.draw(1)
+    start = int(first[0])
     return np.sort((start + np.arange(k, dtype=np.int64)) % dim)
 
 

@@ -142,7 +142,7 @@ def tensor_payloads(draw: st.DrawFn) -> TensorPayload:
     )
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(tensor_payloads(), min_size=0, max_size=4))
 def test_roundtrip_arbitrary_payloads(tensors: list[TensorPayload]) -> None:
     p = Payload(tuple(tensors))

@@ -37,14 +37,14 @@ def _int8_error(v: np.ndarray, chunk: int, stochastic: bool, seed: int = 0):  # 
     return err, per_value_scale
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(values, st.integers(1, 64))
 def test_int8_nearest_error_at_most_half_scale(v: np.ndarray, chunk: int) -> None:
     err, scale = _int8_error(v, chunk, stochastic=False)
     assert np.all(err <= scale / 2 * (1 + 1e-6))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(values, st.integers(1, 64), st.integers(0, 2**32 - 1))
 def test_int8_stochastic_error_below_scale(v: np.ndarray, chunk: int, seed: int) -> None:
     err, scale = _int8_error(v, chunk, stochastic=True, seed=seed)
@@ -108,7 +108,7 @@ def test_int8_bad_chunk(chunk: object) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(hnp.arrays(np.float32, st.integers(0, 100), elements=st.floats(width=32)))
 def test_bf16_matches_torch_round_to_nearest_even(v: np.ndarray) -> None:
     torch = pytest.importorskip("torch")

@@ -24,7 +24,7 @@ def naive_topk(v: np.ndarray, k: int) -> np.ndarray:
 finite32 = st.floats(-1e6, 1e6, width=32, allow_nan=False)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(hnp.arrays(np.float32, st.integers(0, 60), elements=finite32), st.data())
 def test_topk_indices_match_naive_reference(v: np.ndarray, data: st.DataObject) -> None:
     k = data.draw(st.integers(0, len(v)))
