@@ -110,8 +110,8 @@ class ModelConfig(_Section):
 class TrainConfig(_Section):
     """Local training at each site."""
 
-    local_epochs: int = Field(1, ge=1, le=1000, description="Local epochs per round.")
-    batch_size: int = Field(32, ge=1, description="Mini-batch size (global batch of the site).")
+    local_epochs: int = Field(5, ge=1, le=1000, description="Local epochs per round.")
+    batch_size: int = Field(16, ge=1, description="Mini-batch size (global batch of the site).")
     lr: float = Field(0.1, gt=0, le=100, description="Local SGD learning rate.")
     momentum: float = Field(0.0, ge=0, lt=1, description="Local SGD momentum.")
 

@@ -1,0 +1,40 @@
+"""Shared test helpers (real Flower objects; nothing mocked)."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, Error, Message, Metadata, MetricRecord, RecordDict
+
+from flwr.supercore.task_identity import TaskIdentity
+
+os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
+
+# Flower sets the run id when it starts a ServerApp; unit tests that build instruction
+# messages outside a run set one themselves.
+TaskIdentity.run_id = 1
+TaskIdentity.node_id = 0
+TaskIdentity.task_id = 1
+
+
+def reply_message(node_id: int, content: RecordDict | None = None, *, error: str | None = None,
+                  message_type: str = "train", group_id: str = "") -> Message:
+    """A reply as the server receives it from ``node_id`` (real Message + Metadata)."""
+    md = Metadata(run_id=1, message_id=uuid.uuid4().hex, src_node_id=node_id, dst_node_id=0,
+                  reply_to_message_id=uuid.uuid4().hex, group_id=group_id, created_at=time.time(),
+                  ttl=3600.0, message_type=message_type)
+    if error is not None:
+        return Message(error=Error(code=0, reason=error), metadata=md)
+    return Message(content=content if content is not None else RecordDict(), metadata=md)
+
+
+def train_reply(node_id: int, arrays: list[np.ndarray], num_examples: float,
+                keys: list[str] | None = None, **metrics: float) -> Message:
+    """A train reply carrying ``arrays`` and ``num-examples``."""
+    names = keys or [str(i) for i in range(len(arrays))]
+    rec = ArrayRecord({k: Array(np.ascontiguousarray(a)) for k, a in zip(names, arrays, strict=True)})
+    return reply_message(node_id, RecordDict({"arrays": rec, "metrics": MetricRecord(
+        {"num-examples": num_examples, **metrics})}))

@@ -1,0 +1,72 @@
+"""`flwr run .` from the repository root (Flower's local simulation SuperLink)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.flower, pytest.mark.slow]
+
+
+def _pids_using(marker: str) -> list[int]:
+    """PIDs of processes whose command line mentions ``marker`` (our private FLWR_HOME)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if marker in cmd and int(d.name) != os.getpid():
+                out.append(int(d.name))
+    return out
+
+
+def test_flwr_run_local_simulation(tmp_path: Path) -> None:
+    home = tmp_path / "flwr-home"
+    home.mkdir()
+    (home / "config.toml").write_text(
+        '[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = ":local:"\n'
+        "options.num-supernodes = 3\n"
+    )
+    out_dir = tmp_path / "runs"
+    env = {**os.environ, "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
+    try:
+        proc = subprocess.run(
+            ["flwr", "run", ".", "local", "--stream", "--run-config",
+             f'run.rounds=2 run.sites=3 run.output_dir="{out_dir}"'],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=420,
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        deadline = time.time() + 120
+        files: list[Path] = []
+        while time.time() < deadline:
+            files = [p for p in out_dir.glob("*/metrics.json")]
+            if files and len(json.loads(files[0].read_text())) == 3 and (files[0].parent / "model.pt").exists():
+                break
+            time.sleep(1)
+        assert files, proc.stdout[-3000:]
+        records = json.loads(files[0].read_text())
+        assert [r["round"] for r in records] == [0, 1, 2]
+        assert records[-1]["accuracy"] > records[0]["accuracy"]
+    finally:
+        # `flwr run` leaves a local SuperLink daemon (127.0.0.1:39091) behind: stop what we
+        # started, identified by our private FLWR_HOME in its command line.
+        for pid in _pids_using(str(home)):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + 20
+        while _pids_using(str(home)) and time.time() < deadline:
+            time.sleep(0.5)
+        for pid in _pids_using(str(home)):
+            os.kill(pid, signal.SIGKILL)
