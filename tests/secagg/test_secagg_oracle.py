@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from fedagg.errors import AbortRound, ConfigError, ProtocolError
@@ -79,9 +79,11 @@ def test_secure_mean_matches_plaintext_or_aborts_as_predicted(sc: dict) -> None:
             updates, weights, drop_before_upload=sc["before"], drop_after_upload=sc["after"]
         )
     except AbortRound:
+        event("aborted")
         assert predicted_abort
         return
     assert not predicted_abort
+    event("completed with dropouts" if sc["before"] or sc["after"] else "completed, no dropout")
     counted = sorted(set(range(n)) - sc["before"])
     assert list(result.counted) == counted
     ref = weighted_mean(updates, weights, counted)
