@@ -145,3 +145,16 @@ def test_reveals_indices_follows_inner() -> None:
     assert ErrorFeedback(TopK(0.1)).reveals_indices
     assert not ErrorFeedback(SharedSupport(np.arange(3))).reveals_indices
     assert not ErrorFeedback(Chain(SharedSupport(np.arange(3)), Int8())).reveals_indices
+
+
+def test_compress_does_not_modify_inputs() -> None:
+    rng = np.random.default_rng(0)
+    x = [rng.normal(size=(6, 6)).astype(np.float32), rng.normal(size=4).astype(np.float32)]
+    before = [a.copy() for a in x]
+    ef = ErrorFeedback(TopK(0.2), quantizer=Int8(4))
+    for _ in range(3):
+        ef.compress(x, rng=rng)
+    for stage in (SharedSupport(np.arange(5)), TopK(0.5, scope="global"), Int8(), BF16()):
+        stage.compress(x, rng=rng)
+    for a, b in zip(x, before, strict=True):
+        np.testing.assert_array_equal(a, b)
