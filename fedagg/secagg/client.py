@@ -95,9 +95,13 @@ class ClientState:
     """
 
     def __init__(self, site: int, params: SecAggParams, *, random_bytes: RandomBytes) -> None:
-        if not isinstance(site, int) or site < 0 or site >= shamir.PRIME - 1:
-            raise ProtocolError(explain("site", site, "must be an int in [0, 2^31 - 2)", "-"))
-        self.site = site
+        if isinstance(site, bool) or not isinstance(site, (int, np.integer)):
+            raise ProtocolError(explain("site", site, "must be an int", "map node ids to indices"))
+        if not 0 <= site < shamir.PRIME - 1:
+            raise ProtocolError(
+                explain("site", site, "must be in [0, 2^31 - 2)", "map node ids to small indices")
+            )
+        self.site = int(site)
         self.params = params
         self._random_bytes = random_bytes
         self._reset(b"", 0)

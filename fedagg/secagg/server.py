@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from enum import IntEnum
 
 import numpy as np
@@ -170,13 +170,18 @@ class ServerState:
             )
 
     # -- setup -----------------------------------------------------------------------------
-    def begin_setup(self, sites: Sequence[int]) -> KeyAdvertiseRequest:
+    def begin_setup(self, sites: Iterable[int]) -> KeyAdvertiseRequest:
         """Start a new membership epoch with ``sites`` (broadcast the returned request)."""
         if self.stage in (ServerStage.COLLECTING, ServerStage.UNMASKING):
             raise ProtocolError(explain("begin_setup", self.stage.name, "round open", "finish"))
-        invited = tuple(sorted(set(int(s) for s in sites)))
-        if len(invited) < 2 or len(invited) != len(sites) or invited[0] < 0:
-            raise ConfigError(explain("sites", list(sites), "need >= 2 distinct ids >= 0", "-"))
+        given = [int(s) for s in sites]
+        invited = tuple(sorted(set(given)))
+        if len(invited) < 2 or len(invited) != len(given) or invited[0] < 0:
+            raise ConfigError(explain("sites", given, "need >= 2 distinct ids >= 0", "-"))
+        if invited[-1] >= shamir.PRIME - 1:
+            raise ConfigError(
+                explain("sites", invited[-1], "ids must be < 2^31 - 2", "map node ids to indices")
+            )
         self.epoch += 1
         self._new_epoch(invited)
         self.stage = ServerStage.ADVERTISING

@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from fedagg.errors import AbortRound, ProtocolError, VerificationError
+from fedagg.errors import AbortRound, ConfigError, ProtocolError, VerificationError
 from fedagg.secagg import (
     ClientStage,
     ClientState,
@@ -315,3 +315,21 @@ def test_server_abort_round_marks_missing_uploaders_stale() -> None:
     assert r.server.usable_sites == (0,)
     with pytest.raises(ProtocolError):
         r.server.abort_round()
+
+
+def test_server_restart_with_new_run_id_rekeys_cleanly() -> None:
+    f = fed()
+    f.run_round(updates(1), W)
+    f.server = ServerState(PARAMS, run_id=b"restarted-run")  # epoch counter starts again at 1
+    f.setup()
+    ups = updates(2)
+    res = f.run_round(ups, W)
+    assert np.abs(res.mean - mean(ups, W, list(range(N)))).max() < 1e-6
+
+
+def test_numpy_site_ids_are_accepted_and_huge_ids_refused() -> None:
+    assert ClientState(np.int64(3), PARAMS, random_bytes=bytes).site == 3  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError, match="map node ids"):
+        ClientState(2**40, PARAMS, random_bytes=bytes)
+    with pytest.raises(ConfigError, match="map node ids"):
+        ServerState(PARAMS, run_id=b"r").begin_setup([0, 2**40])
