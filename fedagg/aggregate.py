@@ -79,9 +79,13 @@ def weighted_mean(
     w = w / w.sum()
     out: Arrays = []
     for j, ref in enumerate(updates[0]):
-        acc = np.zeros(np.shape(ref), dtype=np.float64)
+        shape = np.shape(ref)
+        acc = np.zeros(shape, dtype=np.float64)
+        tmp = np.empty(shape, dtype=np.float64)
         for i, site in enumerate(updates):
-            acc += w[i] * np.asarray(site[j], dtype=np.float64)
+            # w_i * x_i computed straight into a float64 buffer: no per-site temporaries
+            np.multiply(site[j], w[i], out=tmp, dtype=np.float64)
+            acc += tmp
         out.append(acc.astype(np.asarray(ref).dtype, copy=False))
     return out
 
@@ -153,7 +157,8 @@ def check_update(
                     "send the dtype the server sent",
                 )
             )
-        if np.issubdtype(u.dtype, np.floating) and not np.all(np.isfinite(u)):
+        # a float64 sum is finite iff every element is (no overflow below ~1e308 in total)
+        if np.issubdtype(u.dtype, np.floating) and not np.isfinite(np.sum(u, dtype=np.float64)):
             bad = int(np.size(u) - np.count_nonzero(np.isfinite(u)))
             raise UpdateRejected(
                 explain(

@@ -175,7 +175,10 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
         assert self._global is not None
         keys, current = self._global
         mean = weighted_mean([g[0] for g in good], [g[1] for g in good])
-        new = self.optimizer.step(current, subtract(mean, current))
+        if self.optimizer.kind == "none":
+            new = mean  # plain FedAvg: the new model is the weighted mean itself
+        else:
+            new = self.optimizer.step(current, subtract(mean, current))
         metrics = aggregate_metricrecords([g[3].content for g in good], self.weighted_by_key)
         return arrays_to_record(new, keys), metrics
 
