@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 
 def _round(strategy, grid, rnd, arrays, config):  # type: ignore[no-untyped-def]

@@ -8,7 +8,6 @@ import uuid
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, Error, Message, Metadata, MetricRecord, RecordDict
-
 from flwr.supercore.task_identity import TaskIdentity
 
 os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")

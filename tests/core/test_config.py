@@ -42,7 +42,7 @@ def test_out_of_range_values(override: str, field: str) -> None:
 def test_overrides_and_bad_override_syntax() -> None:
     cfg = load_config(None, ["train.lr=0.05", "run.name='x'", "site.overlap=false"])
     assert cfg.train.lr == 0.05 and cfg.run.name == "x" and cfg.site.overlap is False
-    with pytest.raises(ConfigError, match="section.key=value"):
+    with pytest.raises(ConfigError, match=r"section\.key=value"):
         apply_overrides({}, ["trainlr"])
     with pytest.raises(ConfigError, match="section and a field"):
         apply_overrides({}, ["lr=1"])

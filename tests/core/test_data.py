@@ -19,7 +19,7 @@ def test_digits_split() -> None:
     ds = load_dataset("digits")
     assert ds.x_train.shape[1:] == (1, 8, 8) and ds.x_train.dtype == np.float32
     assert len(ds.y_train) + len(ds.y_test) == 1797
-    assert 0.0 <= ds.x_train.min() and ds.x_train.max() <= 1.0
+    assert ds.x_train.min() >= 0.0 and ds.x_train.max() <= 1.0
 
 
 @settings(max_examples=30, deadline=None)

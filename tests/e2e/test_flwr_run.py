@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -61,10 +62,8 @@ def test_flwr_run_local_simulation(tmp_path: Path) -> None:
         # `flwr run` leaves a local SuperLink daemon (127.0.0.1:39091) behind: stop what we
         # started, identified by our private FLWR_HOME in its command line.
         for pid in _pids_using(str(home)):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
         deadline = time.time() + 20
         while _pids_using(str(home)) and time.time() < deadline:
             time.sleep(0.5)

@@ -10,8 +10,8 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strategies.fedavg import FedAvg
 from strategies._records import arrays_to_record, record_to_arrays
+from strategies.fedavg import FedAvg
 
 
 class _Grid:
