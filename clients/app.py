@@ -17,7 +17,7 @@ import logging
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from clients.local import SiteUpdate, local_data, local_model, train_single
+from clients.local import SiteUpdate, inject_faults, local_data, local_model, train_single
 from clients.settings import SiteSettings
 from fedagg.training import evaluate as evaluate_model
 from strategies._records import arrays_to_record, record_to_arrays
@@ -45,6 +45,7 @@ app = ClientApp(mods=MODS)
 def train(msg: Message, context: Context) -> Message:
     """Train on the site's data and reply with the model and ``num-examples``."""
     settings = SiteSettings.from_message(msg, context)
+    inject_faults(settings, "train")
     keys, weights = record_to_arrays(msg.content.array_records["arrays"] if "arrays" in msg.content.array_records
                                      else next(iter(msg.content.array_records.values())))
     update = compute_update(settings, weights)

@@ -22,7 +22,7 @@ from fedagg.errors import DataError, explain
 from fedagg.models import build_model, get_weights, set_weights
 from fedagg.training import train
 
-__all__ = ["SiteUpdate", "local_data", "local_model", "train_single", "training_seed"]
+__all__ = ["SiteUpdate", "inject_faults", "local_data", "local_model", "train_single", "training_seed"]
 
 _log = logging.getLogger(__name__)
 
@@ -99,3 +99,14 @@ def train_single(s: SiteSettings, weights: list[np.ndarray]) -> SiteUpdate:
     seconds = time.perf_counter() - t0
     return SiteUpdate(get_weights(model), res.num_examples,
                       {"train-loss": res.loss, "compute-seconds": seconds, "workers": 1.0})
+
+
+def inject_faults(s: SiteSettings, stage: str) -> None:
+    """Apply ``[faults]`` from the run config (testing aid): crash or delay this site."""
+    f = s.cfg.faults
+    if f.slow_site == s.partition_id and f.slow_round == s.server_round and stage == "train":
+        _log.warning("%s: injected delay of %.1f s (faults.slow_site)", s.name, f.slow_seconds)
+        time.sleep(f.slow_seconds)
+    if f.crash_site == s.partition_id and f.crash_round == s.server_round and f.crash_stage == stage:
+        raise RuntimeError(f"{s.name}: injected crash at stage {stage!r} in round {s.server_round} "
+                           "(faults.crash_site)")

@@ -2,7 +2,7 @@
 
 One :class:`RunConfig` describes a whole run. It is read from a TOML file whose tables are the
 sections below (``[run]``, ``[data]``, ``[model]``, ``[train]``, ``[strategy]``, ``[site]``,
-``[compression]``, ``[secagg]``, ``[simulation]``), overridden by dotted ``key=value`` pairs
+``[compression]``, ``[secagg]``, ``[faults]``, ``[simulation]``), overridden by dotted ``key=value`` pairs
 (``train.lr=0.05``), and validated with ``extra="forbid"``. Every validation error is turned
 into a :class:`~fedagg.errors.ConfigError` naming the field, the bad value, the rule and the fix.
 
@@ -28,6 +28,7 @@ from fedagg.errors import ConfigError, explain
 __all__ = [
     "CompressionConfig",
     "DataConfig",
+    "FaultsConfig",
     "ModelConfig",
     "RunConfig",
     "RunSection",
@@ -197,6 +198,17 @@ class SecAggConfig(_Section):
     timeout: float = Field(120.0, gt=0, description="Seconds per secure-aggregation exchange.")
 
 
+class FaultsConfig(_Section):
+    """Fault injection for tests and drills (all off by default). Sites are partition ids."""
+
+    crash_site: int | None = Field(None, ge=0, description="This site fails (raises) in crash_round at crash_stage.")
+    crash_round: int = Field(1, ge=1, description="Round of the injected crash.")
+    crash_stage: Literal["train", "upload", "unmask"] = Field("train", description="Stage at which the site fails.")
+    slow_site: int | None = Field(None, ge=0, description="This site sleeps slow_seconds before replying in slow_round.")
+    slow_round: int = Field(1, ge=1, description="Round of the injected delay.")
+    slow_seconds: float = Field(0.0, ge=0, description="Injected delay in seconds.")
+
+
 class SimulationConfig(_Section):
     """Flower simulation engine resources."""
 
@@ -215,6 +227,7 @@ class RunConfig(_Section):
     site: SiteConfig = Field(default_factory=SiteConfig)  # type: ignore[arg-type]
     compression: CompressionConfig = Field(default_factory=CompressionConfig)  # type: ignore[arg-type]
     secagg: SecAggConfig = Field(default_factory=SecAggConfig)  # type: ignore[arg-type]
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)  # type: ignore[arg-type]
     simulation: SimulationConfig = Field(default_factory=SimulationConfig)  # type: ignore[arg-type]
 
     @model_validator(mode="after")

@@ -35,7 +35,7 @@ _log = logging.getLogger(__name__)
 
 RoundCallback = Callable[[dict[str, Any]], None]
 
-_CLIENT_SECTIONS = ("data", "model", "train", "site", "compression", "secagg")
+_CLIENT_SECTIONS = ("data", "model", "train", "site", "compression", "secagg", "faults")
 
 
 def client_config(cfg: RunConfig) -> ConfigRecord:
