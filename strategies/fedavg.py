@@ -114,6 +114,13 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
                    server_momentum=s.server_momentum, max_update_norm=s.max_update_norm,
                    seed=cfg.run.seed)
 
+    @property
+    def current_global(self) -> tuple[list[str], list[np.ndarray]]:
+        """Keys and arrays of the global model sent in the current round."""
+        if self._global is None:
+            raise RuntimeError("no round configured yet")
+        return self._global
+
     # -- sampling ----------------------------------------------------------------------------
     def sample(self, grid: Grid, server_round: int, fraction: float, minimum: int) -> list[int]:
         """Seeded sample of connected node ids for ``server_round``."""

@@ -70,3 +70,44 @@ def test_entry_point_plugin_from_real_dist_info(tmp_path: Path, monkeypatch: pyt
 def test_options_for_strategy_without_config_refused() -> None:
     with pytest.raises(ConfigError, match="takes no options"):
         build_strategy(load_config(None, ["strategy.options.x=1"]))
+
+
+def test_plugins_doc_example_works(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worked example of docs/plugins.md, installed as a real distribution, aggregates."""
+    import re
+
+    import numpy as np
+    from conftest import train_reply
+    from flwr.app import ConfigRecord
+
+    from strategies._records import arrays_to_record, record_to_arrays
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "plugins.md").read_text()
+    code = re.search(r"```python\n# fedagg_trimmed/strategy.py\n(.*?)```", doc, re.S)
+    assert code is not None
+    pkg = tmp_path / "fedagg_trimmed"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "strategy.py").write_text(code.group(1))
+    dist = tmp_path / "fedagg_trimmed-0.1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fedagg-trimmed\nVersion: 0.1.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[fedagg.strategies]\ntrimmed-mean = fedagg_trimmed.strategy:TrimmedMean\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    STRATEGIES.discover(force=True)
+    strat = build_strategy(load_config(None, ["strategy.name='trimmed-mean'", "strategy.options.beta=0.2"]))
+
+    class _Grid:
+        def get_node_ids(self) -> list[int]:
+            return [1, 2, 3, 4, 5]
+
+    strat.configure_train(1, arrays_to_record([np.zeros(2, np.float32)]), ConfigRecord(), _Grid())  # type: ignore[arg-type]
+    vals = [1.0, 2.0, 3.0, 4.0, 100.0]
+    out, _ = strat.aggregate_train(1, [train_reply(i + 1, [np.full(2, v, np.float32)], 1) for i, v in enumerate(vals)])
+    assert out is not None
+    np.testing.assert_allclose(record_to_arrays(out)[1][0], [3.0, 3.0])  # 1 and 100 trimmed
+    with pytest.raises(ConfigError, match=r"strategy\.options\.beta"):
+        build_strategy(load_config(None, ["strategy.name='trimmed-mean'", "strategy.options.beta=0.7"]))
+    for mod in [m for m in sys.modules if m.startswith("fedagg_trimmed")]:
+        sys.modules.pop(mod)
