@@ -6,11 +6,15 @@ communication operations in MPICH", IJHPCA 19(1), 2005, section 4: sending ``m``
 ``S`` pipelining segments per chunk:
 
 * ring: ``2 (N-1) (alpha + D/N beta) + (N-1) D/N gamma`` (Patarasuk & Yuan 2009);
-* tree (pipelined double binary tree of height ``H``, each tree carrying ``D/2``):
-  ``(2H + S - 1) (alpha + D/S beta) + D gamma`` -- about ``2 H alpha + D beta`` for small
-  segments, versus the ring's ``2 (N-1) alpha + 2 D beta``;
-* hierarchical (chain depth ``g - 1`` in groups of ``g``, tree across ``L`` leaders):
-  ``(2 (g-1) + 2 H_L + S - 1) (alpha + D/S beta) + D gamma``.
+* tree (pipelined double binary tree of height ``H``, each tree carrying ``D/2`` in ``S``
+  segments): ``(2H + S - 1) (alpha + 2 D/S beta) + D gamma``. In the steady state a rank
+  sends four segments of ``D / 2S`` per pipeline step (up and down in the tree where it is
+  interior, up in the one where it is a leaf), so this tends to ``2 H alpha + 2 D beta``
+  (DESIGN.md section 4) -- fewer latency terms than the ring's ``2 (N-1) alpha`` but more
+  bandwidth than its ``2 (N-1)/N D beta``;
+* hierarchical (chain depth ``g - 1`` in groups of ``g``, tree across ``L`` leaders), the
+  same pipeline over all its steps: ``(2 (g-1) + 2 H_L + S - 1) (alpha + 2 D/S beta) +
+  D gamma``.
 
 ``alpha``, ``beta`` and ``gamma`` are calibrated by :func:`calibrate` (a ping-pong between
 ranks 0 and 1 and a local add) or fitted from measurements with :func:`fit_alpha_beta`.
@@ -142,7 +146,7 @@ def predict(
     if algorithm == "ring":
         return 2 * (n - 1) * (m.alpha + d / n * m.beta) + (n - 1) * d / n * m.gamma
     segs = _segments(d / 2, m.segment_bytes)
-    return (sched.num_steps + segs - 1) * (m.alpha + d / segs * m.beta) + d * m.gamma
+    return (sched.num_steps + segs - 1) * (m.alpha + 2 * d / segs * m.beta) + d * m.gamma
 
 
 def choose_algorithm(

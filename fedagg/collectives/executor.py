@@ -20,6 +20,7 @@ dtype, so every rank ends with bit-identical values.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -31,7 +32,7 @@ __all__ = ["DEFAULT_SEGMENT_BYTES", "MAX_SEGMENTS", "CollectiveStats", "execute"
 
 _log = logging.getLogger(__name__)
 
-DEFAULT_SEGMENT_BYTES = 1 << 20
+DEFAULT_SEGMENT_BYTES = 4 << 20
 """Default pipelining segment, in bytes on the wire."""
 
 MAX_SEGMENTS = 64
@@ -85,6 +86,20 @@ def segments(offset: int, length: int, segment_elems: int) -> list[tuple[int, in
     return chunk_bounds(length, count, offset)
 
 
+_cache = threading.local()
+
+
+def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A per-thread receive buffer of at least ``numel`` elements, reused across calls."""
+    pool: dict[tuple[torch.dtype, torch.device], torch.Tensor] = getattr(_cache, "pool", {})
+    _cache.pool = pool
+    buf = pool.get((dtype, device))
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        pool[(dtype, device)] = buf
+    return buf
+
+
 class _Run:
     """State of one schedule execution on one rank."""
 
@@ -104,9 +119,15 @@ class _Run:
         self.stats = stats
         self.prog = schedule.program(comm.rank)
         self.segs = [segments(off, ln, segment_elems) for off, ln in schedule.chunks]
+        per_step = [sum(self.chunk_elems(t) for t in recvs) for _, recvs in self.prog]
+        self.half = max(per_step, default=0)
+        self.scratch = _scratch(2 * self.half, self.wire, work.device)
         self.readers: dict[tuple[int, int], list[Request]] = {}
         self.sends: list[tuple[Request, torch.Tensor]] = []
         self.posted: dict[int, list[tuple[Transfer, int, torch.Tensor, Request]]] = {}
+
+    def chunk_elems(self, t: Transfer) -> int:
+        return sum(ln for _, ln in self.segs[t.chunk])
 
     def nseg(self, transfers: list[Transfer]) -> int:
         return max((len(self.segs[t.chunk]) for t in transfers), default=0)
@@ -138,35 +159,66 @@ class _Run:
     def post_recvs(self, step: int) -> None:
         recvs = self.prog[step][1]
         items: list[tuple[Transfer, int, torch.Tensor, Request]] = []
+        pos = (step % 2) * self.half
         for k in range(self.nseg(recvs)):
             for t in recvs:
                 if k < len(self.segs[t.chunk]):
                     ln = self.segs[t.chunk][k][1]
-                    tmp = torch.empty(ln, dtype=self.wire, device=self.work.device)
+                    tmp = self.scratch[pos : pos + ln]
+                    pos += ln
                     items.append((t, k, tmp, self.comm.irecv(tmp, t.src)))
         self.posted[step] = items
 
     def apply(self, t: Transfer, k: int, tmp: torch.Tensor) -> None:
-        for req in self.readers.pop((t.chunk, k), ()):
-            req.wait()  # a pending send still reads this segment
         off, ln = self.segs[t.chunk][k]
         view = self.work[off : off + ln]
+        self.stats.bytes_received += tmp.numel() * tmp.element_size()
+        if tmp.data_ptr() == view.data_ptr():
+            return  # received in place (direct copy step)
+        for req in self.readers.pop((t.chunk, k), ()):
+            req.wait()  # a pending send still reads this segment
         if t.op is Op.REDUCE:
             view.add_(tmp)
         else:
             view.copy_(tmp)
-        self.stats.bytes_received += tmp.numel() * tmp.element_size()
+
+    def is_direct(self, step: int) -> bool:
+        """Copy-only steps receive straight into the buffer (no scratch, no extra memcpy)."""
+        recvs = self.prog[step][1]
+        return not self.convert and bool(recvs) and all(t.op is Op.COPY for t in recvs)
+
+    def post_direct(self, step: int, k: int) -> None:
+        """Post segment ``k`` of a direct step, once every earlier access to it is done."""
+        for t in self.prog[step][1]:
+            if k < len(self.segs[t.chunk]):
+                for req in self.readers.pop((t.chunk, k), ()):
+                    req.wait()
+                off, ln = self.segs[t.chunk][k]
+                view = self.work[off : off + ln]
+                self.posted[step].append((t, k, view, self.comm.irecv(view, t.src)))
+
+    def prepare(self, step: int) -> None:
+        if self.is_direct(step):
+            self.posted[step] = []
+        else:
+            self.post_recvs(step)
+
+    def advance(self, step: int, k: int) -> None:
+        """Segment ``k`` of every earlier step is applied: start segment ``k`` of ``step``."""
+        self.issue_sends(step, k)
+        if self.is_direct(step):
+            self.post_direct(step, k)
 
     def run_pipelined(self) -> None:
         n = len(self.prog)
         if n == 0:
             return
-        self.post_recvs(0)
-        for k in range(self.nseg(self.prog[0][0])):
-            self.issue_sends(0, k)
+        self.prepare(0)
+        for k in range(max(self.nseg(self.prog[0][0]), self.nseg(self.prog[0][1]))):
+            self.advance(0, k)
         for s in range(n):
             if s + 1 < n:
-                self.post_recvs(s + 1)
+                self.prepare(s + 1)
             items = self.posted.pop(s)
             nk = self.nseg(self.prog[s][1])
             i = 0
@@ -177,10 +229,11 @@ class _Run:
                     self.apply(t, k, tmp)
                     i += 1
                 if s + 1 < n:
-                    self.issue_sends(s + 1, k)
+                    self.advance(s + 1, k)
             if s + 1 < n:
-                for k in range(nk, self.nseg(self.prog[s + 1][0])):
-                    self.issue_sends(s + 1, k)
+                nxt = self.prog[s + 1]
+                for k in range(nk, max(self.nseg(nxt[0]), self.nseg(nxt[1]))):
+                    self.advance(s + 1, k)
         for req, _ in self.sends:
             req.wait()
 
@@ -194,12 +247,13 @@ class _Run:
                         self.count_send(data)
                         out.append((data, t.dst))
             inc: list[tuple[Transfer, int, torch.Tensor]] = []
+            pos = 0
             for k in range(self.nseg(recvs)):
                 for t in recvs:
                     if k < len(self.segs[t.chunk]):
                         ln = self.segs[t.chunk][k][1]
-                        tmp = torch.empty(ln, dtype=self.wire, device=self.work.device)
-                        inc.append((t, k, tmp))
+                        inc.append((t, k, self.scratch[pos : pos + ln]))
+                        pos += ln
             reqs = self.comm.exchange(out, [(tmp, t.src) for t, _, tmp in inc])
             for req in reqs:
                 req.wait()

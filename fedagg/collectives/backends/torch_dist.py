@@ -16,17 +16,28 @@ Inside a process that called ``torch.distributed.init_process_group("gloo", ...)
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import multiprocessing as mp
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from queue import Empty
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from fedagg.collectives.communicator import DEFAULT_TIMEOUT_S, Request
-from fedagg.errors import CollectiveError, CollectiveTimeout, ConfigError, explain
+from fedagg.errors import CollectiveError, CollectiveTimeout, ConfigError, WorkerError, explain
 
-__all__ = ["TorchDistCommunicator", "is_initialized"]
+__all__ = [
+    "TorchDistCommunicator",
+    "all_reduce_max",
+    "free_port",
+    "is_initialized",
+    "run_processes",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -201,3 +212,133 @@ class TorchDistCommunicator:
         _Work(work, "all_reduce", self._timeout).wait()
         if op == "avg":
             tensor.div_(self._world)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    """Element-wise max across the default group, in place (for benchmark bookkeeping)."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
+def _entry(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    timeout: float,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    results: Any,
+) -> None:
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % max(1, torch.cuda.device_count()))
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+        )
+        try:
+            out = fn(TorchDistCommunicator(timeout=timeout), *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, out))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_processes(
+    world_size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 60.0,
+    comm_timeout: float = DEFAULT_TIMEOUT_S,
+) -> list[Any]:
+    """Run ``fn(comm, *args)`` in ``world_size`` fresh processes joined by torch.distributed.
+
+    Processes are started with the ``spawn`` method, rendezvous over TCP on 127.0.0.1 (a free
+    port) and get a :class:`TorchDistCommunicator`. ``fn`` must be importable (module level)
+    and return something picklable.
+
+    Parameters
+    ----------
+    backend : {"gloo", "nccl"}
+        torch.distributed backend; NCCL puts rank ``r`` on GPU ``r``.
+    timeout : float
+        Seconds for the whole run; on expiry the processes started here are killed.
+    comm_timeout : float
+        Timeout of each process's communicator and process group.
+
+    Returns
+    -------
+    list
+        ``fn``'s return value per rank.
+
+    Raises
+    ------
+    WorkerError
+        A process raised (its traceback is in the message) or died.
+    CollectiveTimeout
+        The run did not finish within ``timeout``.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_entry,
+            args=(r, world_size, port, backend, comm_timeout, fn, args, queue),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    results: dict[int, Any] = {}
+    failures: list[str] = []
+    try:
+        while len(results) + len(failures) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CollectiveTimeout(
+                    explain(
+                        "run_processes",
+                        f"{world_size} x {getattr(fn, '__name__', fn)}",
+                        f"did not finish within timeout={timeout}s",
+                        "raise the timeout or look for a rank that hangs",
+                    )
+                )
+            try:
+                rank, ok, payload = queue.get(timeout=min(left, 0.5))
+            except Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead and queue.empty():
+                    time.sleep(0.2)
+                    if queue.empty():
+                        failures.append(f"process exited with code {dead[0].exitcode}")
+                        break
+                continue
+            if ok:
+                results[rank] = payload
+            else:
+                failures.append(f"rank {rank}:\n{payload}")
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not failures else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if failures:
+        raise WorkerError("\n".join(failures))
+    return [results[r] for r in range(world_size)]

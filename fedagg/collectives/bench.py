@@ -1,0 +1,220 @@
+"""All-reduce benchmark: every algorithm against the backend's native all-reduce.
+
+Spawns ``N`` real processes (gloo on 127.0.0.1, or NCCL with one GPU per rank), calibrates
+the cost model, then for every size runs every algorithm *interleaved* (the order rotates
+each repeat) so that noise on a shared machine hits all of them alike. The time of one call is
+the maximum over ranks; the table shows medians, algorithm bandwidth ``algbw = bytes / time``,
+bus bandwidth ``busbw = algbw * 2 (N-1) / N`` (as nccl-tests), the ratio of busbw to native,
+and the model's prediction.
+
+Run as ``python benchmarks/allreduce.py`` or ``fedagg bench allreduce``::
+
+    fedagg bench allreduce --world-sizes 2,4 --sizes 4KB,1MB,16MB --repeats 10 --markdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from fedagg.collectives.api import all_reduce
+from fedagg.collectives.communicator import Communicator
+from fedagg.collectives.cost import CostModel, calibrate, predict
+
+__all__ = ["main", "parse_size"]
+
+_log = logging.getLogger(__name__)
+_UNITS = {"": 1, "B": 1, "KB": 1 << 10, "K": 1 << 10, "MB": 1 << 20, "M": 1 << 20, "GB": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """``"64KB"`` -> 65536 (binary units)."""
+    t = text.strip().upper()
+    num = t.rstrip("KMGB")
+    unit = t[len(num) :]
+    if not num or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 4KB, 1MB, 64MB")
+    return int(float(num) * _UNITS[unit])
+
+
+def _fmt_size(n: int) -> str:
+    for unit, scale in (("MB", 1 << 20), ("KB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
+
+
+def _repeats_for(nbytes: int, repeats: int) -> int:
+    if nbytes >= 64 << 20:
+        return max(3, repeats // 4)
+    if nbytes >= 16 << 20:
+        return max(3, repeats // 2)
+    return repeats
+
+
+def _worker(comm: Communicator, cfg: dict[str, Any]) -> dict[str, Any]:
+    from fedagg.collectives.backends.torch_dist import all_reduce_max
+
+    torch.set_num_threads(int(cfg["threads"]))
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg["backend"] == "nccl" else None
+    model = calibrate(comm, segment_bytes=cfg["segment_bytes"])
+    algs: list[str] = list(cfg["algorithms"])
+    out: dict[str, Any] = {"model": [model.alpha, model.beta, model.gamma], "rows": []}
+    for nbytes in cfg["sizes"]:
+        numel = max(1, nbytes // 4)
+        gen = torch.Generator().manual_seed(comm.rank)
+        src = torch.randn(numel, generator=gen).to(device or "cpu")
+        buf = src.clone()
+        reps = _repeats_for(nbytes, int(cfg["repeats"]))
+        times = torch.zeros(len(algs), reps + 1, dtype=torch.float64)
+        for rep in range(reps + 1):  # repeat 0 is warm-up
+            order = [algs[(i + rep) % len(algs)] for i in range(len(algs))]
+            for alg in order:
+                buf.copy_(src)
+                comm.barrier()
+                t0 = time.perf_counter()
+                if alg == "native":
+                    comm.native_all_reduce(buf, "sum")
+                else:
+                    all_reduce(buf, algorithm=alg, comm=comm, segment_bytes=cfg["segment_bytes"])
+                if device is not None:
+                    torch.cuda.synchronize()
+                times[algs.index(alg), rep] = time.perf_counter() - t0
+        all_reduce_max(times)
+        if comm.rank == 0:
+            for i, alg in enumerate(algs):
+                out["rows"].append(
+                    {
+                        "alg": alg,
+                        "bytes": nbytes,
+                        "median": statistics.median(times[i, 1:].tolist()),
+                        "repeats": reps,
+                    }
+                )
+    return out
+
+
+def _table(n: int, result: dict[str, Any], markdown: bool) -> list[str]:
+    model = CostModel(*result["model"])
+    rows = result["rows"]
+    native = {r["bytes"]: r["median"] for r in rows if r["alg"] == "native"}
+    lines = []
+    head = [
+        "N",
+        "size",
+        "algorithm",
+        "median ms",
+        "algbw GB/s",
+        "busbw GB/s",
+        "x native",
+        "model ms",
+    ]
+    if markdown:
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    else:
+        lines.append("  ".join(f"{h:>11}" for h in head))
+    for r in rows:
+        t, b = r["median"], r["bytes"]
+        algbw = b / t / 1e9
+        busbw = algbw * 2 * (n - 1) / n
+        ratio = native[b] / t if b in native else float("nan")
+        pred = "-" if r["alg"] == "native" else f"{predict(r['alg'], n, b, model=model) * 1e3:.2f}"
+        cells = [
+            str(n),
+            _fmt_size(b),
+            r["alg"],
+            f"{t * 1e3:.2f}",
+            f"{algbw:.3f}",
+            f"{busbw:.3f}",
+            f"{ratio:.2f}",
+            pred,
+        ]
+        lines.append(
+            "| " + " | ".join(cells) + " |" if markdown else "  ".join(f"{c:>11}" for c in cells)
+        )
+    return lines
+
+
+def _order_check(n: int, result: dict[str, Any]) -> list[str]:
+    """Compare the model's predicted order of the scheduled algorithms with the measured one."""
+    model = CostModel(*result["model"])
+    by_size: dict[int, dict[str, float]] = {}
+    for r in result["rows"]:
+        if r["alg"] != "native":
+            by_size.setdefault(r["bytes"], {})[r["alg"]] = r["median"]
+    lines = []
+    for b, meas in sorted(by_size.items()):
+        measured = sorted(meas, key=lambda a: meas[a])
+        predicted = sorted(meas, key=lambda a: predict(a, n, b, model=model))
+        verdict = (
+            "match"
+            if measured == predicted
+            else ("best matches" if measured[0] == predicted[0] else "MISMATCH")
+        )
+        lines.append(
+            f"N={n} {_fmt_size(b)}: measured {' < '.join(measured)}; "
+            f"model {' < '.join(predicted)} -> {verdict}"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; print the table. Returns a process exit code."""
+    p = argparse.ArgumentParser(prog="fedagg bench allreduce", description=__doc__.split("\n")[0])
+    p.add_argument("--world-sizes", default="2,4", help="comma-separated N (default 2,4)")
+    p.add_argument("--sizes", default="4KB,64KB,1MB,16MB,64MB", help="comma-separated sizes")
+    p.add_argument("--repeats", type=int, default=10, help="repeats per point (fewer >= 16MB)")
+    p.add_argument("--algorithms", default="ring,tree,hierarchical,native")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    p.add_argument("--markdown", action="store_true", help="print a markdown table")
+    p.add_argument("--segment-bytes", type=parse_size, default=4 << 20)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per world size")
+    p.add_argument("--json", default="", help="also write raw results to this file")
+    args = p.parse_args(argv)
+    from fedagg.collectives.backends.torch_dist import run_processes
+
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s]
+    algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    cfg = {
+        "sizes": sizes,
+        "algorithms": algorithms,
+        "repeats": args.repeats,
+        "backend": args.backend,
+        "segment_bytes": args.segment_bytes,
+        "threads": args.threads,
+    }
+    if args.backend == "nccl" and not torch.cuda.is_available():
+        print("NCCL needs CUDA GPUs; none found.")
+        return 2
+    raw: dict[str, Any] = {}
+    for n in (int(x) for x in args.world_sizes.split(",") if x):
+        t0 = time.perf_counter()
+        result = run_processes(
+            n,
+            _worker,
+            cfg,
+            backend=args.backend,
+            timeout=args.timeout,
+            comm_timeout=min(args.timeout, 300.0),
+        )[0]
+        raw[str(n)] = result
+        alpha, beta, gamma = result["model"]
+        print(
+            f"\nN = {n} ({args.backend}); calibrated alpha = {alpha * 1e6:.1f} us, "
+            f"1/beta = {1 / beta / 1e9 if beta else float('inf'):.2f} GB/s, "
+            f"1/gamma = {1 / gamma / 1e9 if gamma else float('inf'):.2f} GB/s; "
+            f"{time.perf_counter() - t0:.0f} s"
+        )
+        print("\n".join(_table(n, result, args.markdown)))
+        print("\n".join(_order_check(n, result)))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(raw, fh, indent=1)
+    return 0

@@ -1,0 +1,99 @@
+"""Real processes joined by torch.distributed (gloo on 127.0.0.1): oracle and error checks."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from fedagg.collectives import TorchDistCommunicator, all_reduce, get_schedule, last_stats
+from fedagg.collectives.backends.torch_dist import run_processes
+from fedagg.errors import CollectiveError, CollectiveTimeout
+
+pytestmark = pytest.mark.gloo
+
+LENGTHS = (0, 1, 2, 3, 13, 101, 40_009)
+
+
+def _input(rank: int, d: int, dtype: torch.dtype) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * rank + d)
+    return torch.randn(d, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def _oracle(comm: TorchDistCommunicator) -> list[str]:
+    """Every algorithm vs torch.distributed's all_reduce and the naive sum; returns failures."""
+    torch.set_num_threads(1)
+    n, rank = comm.world_size, comm.rank
+    failures: list[str] = []
+    cases = [(d, torch.float32) for d in (*LENGTHS, n - 1, n + 1)]
+    cases += [(257, torch.float64), (257, torch.bfloat16), (257, torch.float16)]
+    for d, dtype in cases:
+        x = _input(rank, d, dtype)
+        native = x.clone()
+        comm.native_all_reduce(native, "sum")
+        naive = torch.stack([_input(r, d, dtype).double() for r in range(n)]).sum(0)
+        tol = {torch.float32: 1e-5, torch.float64: 1e-12}.get(dtype, 5e-2)
+        for alg in ("ring", "tree", "hierarchical", "native", "auto"):
+            for op in ("sum", "avg") if d == 13 else ("sum",):
+                t = x.clone()
+                all_reduce(t, algorithm=alg, op=op, comm=comm, segment_bytes=4096)
+                want = naive / n if op == "avg" else naive
+                if not torch.allclose(t.double(), want, rtol=tol, atol=tol):
+                    failures.append(f"{alg}/{op} n={n} d={d} {dtype}: differs from naive sum")
+                if op == "sum" and not torch.allclose(
+                    t.double(), native.double(), rtol=tol, atol=tol
+                ):
+                    failures.append(f"{alg} n={n} d={d} {dtype}: differs from dist.all_reduce")
+                st = last_stats()
+                if alg in ("ring", "tree", "hierarchical") and st is not None:
+                    sched = get_schedule(alg, n, d)
+                    if st.bytes_sent != t.element_size() * sched.elements_sent(rank):
+                        failures.append(f"{alg} n={n} d={d}: bytes_sent {st.bytes_sent}")
+    t = _input(rank, 1000, torch.float32)
+    all_reduce(t, algorithm="ring", comm=comm, wire_dtype="bf16")
+    ref = torch.stack([_input(r, 1000, torch.float32) for r in range(n)]).sum(0)
+    if not torch.allclose(t, ref, rtol=5e-2, atol=5e-2):
+        failures.append("ring with bf16 wire differs")
+    return failures
+
+
+def _errors(comm: TorchDistCommunicator) -> list[str]:
+    """Mismatched inputs, then a rank that never calls (timeout); returns error types."""
+    out: list[str] = []
+    try:
+        all_reduce(torch.ones(10 + comm.rank), algorithm="ring", comm=comm)
+        out.append("no error")
+    except CollectiveError as exc:
+        out.append(f"{type(exc).__name__}: {exc}")
+    try:
+        dtype = torch.float64 if comm.rank == 0 else torch.float32
+        all_reduce(torch.ones(8, dtype=dtype), algorithm="tree", comm=comm)
+        out.append("no error")
+    except CollectiveError as exc:
+        out.append(f"{type(exc).__name__}: {exc}")
+    short = TorchDistCommunicator(timeout=1.0)
+    if comm.rank == comm.world_size - 1:  # the last rank never joins this call
+        time.sleep(2.5)  # but stays alive, so its peers must time out
+    else:
+        try:
+            all_reduce(torch.ones(8), algorithm="ring", comm=short)
+            out.append("no error")
+        except CollectiveTimeout as exc:
+            out.append(f"{type(exc).__name__}: {exc}")
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_gloo_oracle(n: int) -> None:
+    results = run_processes(n, _oracle, timeout=120, comm_timeout=30)
+    assert results == [[]] * n, results
+
+
+def test_gloo_bad_input_raises_on_every_rank_and_times_out() -> None:
+    results = run_processes(3, _errors, timeout=120, comm_timeout=30)
+    for rank, res in enumerate(results):
+        assert res[0].startswith("CollectiveError") and "numel" in res[0], res
+        assert res[1].startswith("CollectiveError") and "dtype" in res[1], res
+        if rank != 2:
+            assert res[2].startswith("CollectiveTimeout"), res
