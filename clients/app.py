@@ -27,6 +27,16 @@ __all__ = ["MODS", "app", "compute_update"]
 _log = logging.getLogger(__name__)
 
 MODS: list = []  # type: ignore[type-arg]
+# Flower runs MODS[0] outermost: the last mod in this list post-processes the reply first.
+# Compression must come before secure masking (masking is the last step before upload), so
+# the secure-aggregation mod goes BEFORE compression_mod here: MODS.insert(0, secure_mod).
+from clients.mods import compression_mod  # noqa: E402
+
+MODS.append(compression_mod)
+from clients.secure import register as register_secure  # noqa: E402
+from clients.secure import secure_mod  # noqa: E402
+
+MODS.insert(0, secure_mod)  # outermost: masking is the last step before the upload
 
 
 def compute_update(settings: SiteSettings, weights: list) -> SiteUpdate:  # type: ignore[type-arg]
@@ -68,3 +78,6 @@ def evaluate(msg: Message, context: Context) -> Message:
     content = RecordDict({"metrics": MetricRecord({"num-examples": len(y), "eval-loss": loss,
                                                    "eval-acc": acc})})
     return Message(content=content, reply_to=msg)
+
+
+register_secure(app)  # query.secagg_advertise / secagg_share_keys / secagg_unmask

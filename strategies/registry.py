@@ -68,6 +68,12 @@ def _register_builtins() -> None:
     from strategies.fedavg import FedAvg
 
     STRATEGIES.register("fedavg", FedAvg)
+    from strategies.secure import SecureAggregation
+
+    STRATEGIES.register("secure", SecureAggregation)
+    from strategies.compressed import CompressedFedAvg
+
+    STRATEGIES.register("compressed", CompressedFedAvg)
 
 
 _register_builtins()
