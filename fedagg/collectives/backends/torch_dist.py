@@ -34,7 +34,10 @@ from fedagg.errors import CollectiveError, CollectiveTimeout, ConfigError, Worke
 __all__ = [
     "TorchDistCommunicator",
     "all_reduce_max",
+    "destroy_process_group",
     "free_port",
+    "host_store",
+    "init_process_group",
     "is_initialized",
     "run_processes",
 ]
@@ -342,3 +345,51 @@ def run_processes(
     if failures:
         raise WorkerError("\n".join(failures))
     return [results[r] for r in range(world_size)]
+
+
+def host_store(timeout: float = DEFAULT_TIMEOUT_S) -> tuple[Any, int]:
+    """Host a rendezvous TCPStore on 127.0.0.1 at a port the OS picks; return ``(store, port)``.
+
+    The caller (e.g. a site's ClientApp process, which launches the workers) keeps ``store``
+    alive while the workers run; workers join with :func:`init_process_group`. Binding port 0
+    in the store itself leaves no window in which concurrent sites could pick the same port.
+    """
+    store = dist.TCPStore(
+        "127.0.0.1", 0, None, True, timeout=timedelta(seconds=timeout), wait_for_workers=False
+    )
+    return store, int(store.port)
+
+
+def init_process_group(
+    rank: int,
+    world_size: int,
+    *,
+    port: int,
+    backend: str = "gloo",
+    timeout: float = DEFAULT_TIMEOUT_S,
+    host: str = "127.0.0.1",
+) -> TorchDistCommunicator:
+    """Join the default process group through the store at ``host:port``; return its communicator.
+
+    Parameters
+    ----------
+    rank, world_size : int
+        This process's rank and the number of processes.
+    port : int
+        Port of the rendezvous store (see :func:`host_store`).
+    backend : {"gloo", "nccl"}
+        torch.distributed backend (NCCL needs ``torch.cuda.set_device`` first).
+    timeout : float
+        Seconds for the rendezvous, for the process group and for the communicator's waits.
+    """
+    store = dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=timeout))
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+    )
+    return TorchDistCommunicator(timeout=timeout)
+
+
+def destroy_process_group() -> None:
+    """Destroy the default process group if one exists (idempotent)."""
+    if is_initialized():
+        dist.destroy_process_group()
