@@ -60,6 +60,7 @@ def train(msg: Message, context: Context) -> Message:
                                      else next(iter(msg.content.array_records.values())))
     update = compute_update(settings, weights)
     metrics = {"num-examples": update.num_examples, "partition-id": settings.partition_id,
+               "server-round": settings.server_round,
                **update.metrics}
     content = RecordDict({"arrays": arrays_to_record(update.weights, keys),
                           "metrics": MetricRecord(metrics)})

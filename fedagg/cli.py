@@ -26,8 +26,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fedagg.config import RunConfig, load_config, reference_markdown
-from fedagg.errors import FedaggError
+from fedagg.config import (
+    RunConfig,
+    apply_overrides,
+    load_config,
+    reference_markdown,
+    validate_model,
+)
+from fedagg.errors import ConfigError, FedaggError, explain
 
 __all__ = ["main"]
 
@@ -55,6 +61,21 @@ def _toml(cfg: RunConfig) -> str:
     return "\n".join(lines)
 
 
+def _resume_config(args: argparse.Namespace, extra: Sequence[str]) -> RunConfig:
+    """The config of a run to resume: its own config.json (or --config), plus overrides."""
+    run_dir = Path(args.resume)
+    if args.config:
+        return load_config(args.config, [*args.overrides, *extra, f"run.resume={json.dumps(str(run_dir))}"])
+    saved = run_dir / "config.json"
+    if not saved.is_file():
+        raise ConfigError(explain("--resume", str(run_dir), "holds no config.json",
+                                  "point --resume at a run directory written by fedagg simulate"))
+    data = json.loads(saved.read_text())
+    data = apply_overrides(data, [*args.overrides, *extra, f"run.resume={json.dumps(str(run_dir))}"])
+    cfg: RunConfig = validate_model(RunConfig, data)
+    return cfg
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     if args.action == "reference":
         print(reference_markdown())
@@ -69,7 +90,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     extra = [f"run.seed={args.seed}"] if args.seed is not None else []
-    cfg = _config(args, extra)
+    cfg = _resume_config(args, extra) if args.resume else _config(args, extra)
     os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     from rich.console import Console
@@ -79,7 +100,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from server.app import make_app, new_run_dir
 
     console = Console(stderr=False)
-    run_dir = Path(args.run_dir) if args.run_dir else new_run_dir(cfg)
+    if args.resume:
+        run_dir = Path(args.resume)
+    else:
+        run_dir = Path(args.run_dir) if args.run_dir else new_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     records: list[dict[str, Any]] = []
 
@@ -148,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(sim)
     sim.add_argument("--seed", type=int, help="seed (same as -c run.seed=N)")
     sim.add_argument("--run-dir", help="write outputs here instead of runs/<name>-<time>")
+    sim.add_argument("--resume", metavar="RUN_DIR",
+                     help="continue the run in RUN_DIR from its last checkpoint "
+                     "(its own config.json; -c run.rounds=N extends it)")
     sim.add_argument("-v", "--verbose", action="store_true", help="show Flower's and Ray's logs")
     cfg = sub.add_parser("config", help="show or validate a configuration")
     cfg.add_argument("action", choices=["show", "validate", "reference"])

@@ -77,6 +77,20 @@ class RunSection(_Section):
     evaluate_every: int = Field(
         1, ge=1, description="Centralized evaluation every N rounds (and the last)."
     )
+    resume: str | None = Field(
+        None,
+        description="Run directory whose checkpoint to resume from (ServerApp / deployment; "
+        "the CLI has --resume).",
+    )
+    checkpoint: bool = Field(
+        True, description="Write run_dir/checkpoint.npz atomically after every round."
+    )
+    retries: int = Field(
+        0, ge=0, le=10,
+        description="Re-send a round's message to a site whose reply was a transient error, "
+        "up to this many times within run.round_timeout (configuration / data errors are "
+        "never retried).",
+    )
 
 
 class DataConfig(_Section):
@@ -179,23 +193,59 @@ class CompressionConfig(_Section):
 
 
 class SecAggConfig(_Section):
-    """Secure aggregation (used by the 'secure' strategy)."""
+    """Secure aggregation, SecAgg+ (used by the 'secure' strategy; docs/protocols/secagg.md)."""
 
     threshold: float = Field(
         0.5,
         gt=0,
-        description="Shamir threshold t: an int >= 2, or a fraction of the neighbourhood size.",
+        description="Shamir threshold t. A whole number >= 1 is t itself; a fraction f in (0, 1) "
+        "means t = floor(f * k) + 1, i.e. more than that fraction of a site's k neighbours.",
     )
     neighbours: int | None = Field(
         None,
         ge=1,
-        description="Neighbours per site (k-regular graph); None = all (classic SecAgg).",
+        description="Neighbours per site k (k-regular graph); None = min(N-1, 3*ceil(log2 N)) "
+        "(SecAgg+; all other sites, classic SecAgg, while N <= 16).",
     )
     clip: float = Field(
-        8.0, gt=0, description="Each (weighted) value is clipped to [-clip, clip] before encoding."
+        8.0, gt=0, description="Each entry of a site's update (model delta) is clipped to "
+        "[-clip, clip] before encoding."
     )
-    frac_bits: int = Field(16, ge=1, le=30, description="Fixed-point fractional bits.")
-    timeout: float = Field(120.0, gt=0, description="Seconds per secure-aggregation exchange.")
+    frac_bits: int | None = Field(
+        None, ge=1, le=30,
+        description="Fixed-point fractional bits; None = the most that fit the 32-bit ring "
+        "for the number of sites and the clip range.",
+    )
+    weight_scale: float = Field(
+        10_000.0, gt=0,
+        description="Public upper bound on a site's weight (training examples); a larger "
+        "weight fails the site's upload. Precision is relative to it.",
+    )
+    timeout: float = Field(
+        120.0, gt=0, description="Seconds to wait for replies in the key-setup and unmask "
+        "exchanges (the masked upload rides with training and uses run.round_timeout)."
+    )
+
+    @model_validator(mode="after")
+    def _check_threshold(self) -> SecAggConfig:
+        if self.threshold >= 1 and not float(self.threshold).is_integer():
+            raise ValueError(
+                f"secagg.threshold ({self.threshold}) must be a whole number >= 1 (t itself) "
+                "or a fraction in (0, 1); use e.g. 3 or 0.5"
+            )
+        if self.neighbours is not None and self.threshold >= 1 and self.threshold > self.neighbours:
+            raise ValueError(
+                f"secagg.threshold ({int(self.threshold)}) exceeds secagg.neighbours "
+                f"({self.neighbours}): a site's secrets are shared among its neighbours only, "
+                "so t shares cannot exist; lower the threshold or raise neighbours"
+            )
+        return self
+
+    def resolve_threshold(self, k: int) -> int:
+        """The threshold ``t`` for neighbourhoods of ``k`` sites."""
+        if self.threshold >= 1:
+            return int(self.threshold)
+        return min(k, int(self.threshold * k) + 1)
 
 
 class FaultsConfig(_Section):
@@ -207,6 +257,16 @@ class FaultsConfig(_Section):
     slow_site: int | None = Field(None, ge=0, description="This site sleeps slow_seconds before replying in slow_round.")
     slow_round: int = Field(1, ge=1, description="Round of the injected delay.")
     slow_seconds: float = Field(0.0, ge=0, description="Injected delay in seconds.")
+    kill_worker: int | None = Field(
+        None, ge=0, description="Multi-worker sites: this worker rank of worker_fault_site dies "
+        "(SIGKILLs itself; in-process mode: raises) at worker_fault_step of worker_fault_round.")
+    hang_worker: int | None = Field(
+        None, ge=0, description="Multi-worker sites: this worker rank of worker_fault_site stops "
+        "answering (sleeps) at worker_fault_step of worker_fault_round.")
+    worker_fault_site: int = Field(0, ge=0, description="Site (partition id) of kill_worker / hang_worker.")
+    worker_fault_round: int = Field(1, ge=1, description="Round of kill_worker / hang_worker.")
+    worker_fault_step: int = Field(
+        1, ge=0, description="Optimizer steps completed in the round before the worker fault strikes.")
 
 
 class SimulationConfig(_Section):
@@ -393,7 +453,11 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
 
 
 def config_hash(
-    cfg: RunConfig, *, exclude: Iterable[str] = ("run.rounds", "run.output_dir", "run.name")
+    cfg: RunConfig,
+    *,
+    exclude: Iterable[str] = (
+        "run.rounds", "run.output_dir", "run.name", "run.resume", "run.checkpoint",
+    ),
 ) -> str:
     """SHA-256 of the canonical JSON of everything that changes results (for resume checks)."""
     flat = flatten(cfg.model_dump(mode="json"))

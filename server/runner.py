@@ -20,11 +20,13 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord
 from flwr.serverapp import Grid
 
-from fedagg.config import RunConfig
+from fedagg.config import RunConfig, config_hash
 from fedagg.data import load_dataset
+from fedagg.errors import CheckpointError, explain
 from fedagg.models import build_model, set_weights
 from fedagg.report import atomic_write_bytes, write_metrics, write_plot
 from fedagg.training import evaluate
+from server.checkpoint import config_diff, load_checkpoint, save_checkpoint
 from strategies._records import arrays_to_record, config_to_record, record_to_arrays
 from strategies.base import run_train_round
 from strategies.registry import build_strategy
@@ -46,14 +48,21 @@ def client_config(cfg: RunConfig) -> ConfigRecord:
     return config_to_record(nested)
 
 
-def run_server(grid: Grid, cfg: RunConfig, run_dir: str | Path | None, *,
-               on_round: RoundCallback | None = None) -> list[dict[str, Any]]:
+def run_server(
+    grid: Grid, cfg: RunConfig, run_dir: str | Path | None, *, on_round: RoundCallback | None = None
+) -> list[dict[str, Any]]:
     """Run ``cfg.run.rounds`` rounds; return the per-round records (also written to run_dir)."""
-    ds = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir,
-                      test_fraction=cfg.data.test_fraction, seed=cfg.run.seed)
+    ds = load_dataset(
+        cfg.data.dataset,
+        data_dir=cfg.data.data_dir,
+        test_fraction=cfg.data.test_fraction,
+        seed=cfg.run.seed,
+    )
     model = build_model(cfg.model.name, ds.input_shape, ds.num_classes, seed=cfg.run.seed)
     keys = list(model.state_dict().keys())
-    arrays = arrays_to_record([t.detach().numpy().copy() for t in model.state_dict().values()], keys)
+    arrays = arrays_to_record(
+        [t.detach().numpy().copy() for t in model.state_dict().values()], keys
+    )
     strategy = build_strategy(cfg)
     out = Path(run_dir) if run_dir else None
 
@@ -62,14 +71,79 @@ def run_server(grid: Grid, cfg: RunConfig, run_dir: str | Path | None, *,
         set_weights(model, weights)
         return evaluate(model, ds.x_test, ds.y_test)
 
-    loss0, acc0 = central_eval(arrays)
-    records: list[dict[str, Any]] = [{"round": 0, "accuracy": acc0, "loss": loss0, "bytes_up": 0,
-                                      "bytes_down": 0, "seconds": 0.0}]
-    if on_round:
-        on_round(records[0])
-    for rnd in range(1, cfg.run.rounds + 1):
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(out / "config.json", cfg.model_dump_json(indent=2).encode())
+    start = 1
+    records: list[dict[str, Any]]
+    if cfg.run.resume:
+        ckpt = load_checkpoint(cfg.run.resume)
+        diff = config_diff(ckpt.config, cfg)
+        if ckpt.config_hash != config_hash(cfg) or diff:
+            raise CheckpointError(
+                explain(
+                    "--resume",
+                    str(cfg.run.resume),
+                    "was written with a different configuration: "
+                    + "; ".join(diff or ["(hash differs)"]),
+                    "resume with the run's own config (its config.json), changing only run.rounds",
+                )
+            )
+        if ckpt.keys != keys:
+            raise CheckpointError(
+                explain(
+                    "checkpoint.keys",
+                    ckpt.keys[:3],
+                    f"must equal the model's {keys[:3]}",
+                    "resume with the same model",
+                )
+            )
+        arrays = arrays_to_record(ckpt.arrays, keys)
+        records = ckpt.records
+        start = ckpt.round + 1
+        load_state = getattr(strategy, "load_state_dict", None)
+        if ckpt.strategy_state is not None and callable(load_state):
+            load_state(ckpt.strategy_state)
+        _log.info("resuming from %s after round %d", cfg.run.resume, ckpt.round)
+        for old in records:
+            if on_round:
+                on_round(old)
+    else:
+        loss0, acc0 = central_eval(arrays)
+        records = [
+            {
+                "round": 0,
+                "accuracy": acc0,
+                "loss": loss0,
+                "bytes_up": 0,
+                "bytes_down": 0,
+                "seconds": 0.0,
+            }
+        ]
+        if on_round:
+            on_round(records[0])
+
+    def checkpoint(rnd: int) -> None:
+        if out is None or not cfg.run.checkpoint:
+            return
+        state_fn = getattr(strategy, "state_dict", None)
+        save_checkpoint(
+            out,
+            round=rnd,
+            cfg=cfg,
+            keys=keys,
+            arrays=record_to_arrays(arrays)[1],
+            records=records,
+            strategy_state=state_fn() if callable(state_fn) else None,
+        )
+
+    if start == 1:
+        checkpoint(0)
+    for rnd in range(start, cfg.run.rounds + 1):
         t0 = time.perf_counter()
-        result = run_train_round(strategy, grid, rnd, arrays, client_config(cfg), cfg.run.round_timeout)
+        result = run_train_round(
+            strategy, grid, rnd, arrays, client_config(cfg), cfg.run.round_timeout
+        )
         if result.arrays is not None:
             arrays = result.arrays
         t1 = time.perf_counter()
@@ -78,10 +152,16 @@ def run_server(grid: Grid, cfg: RunConfig, run_dir: str | Path | None, *,
             loss, acc = central_eval(arrays)
             rec.update(accuracy=acc, loss=loss)
         rec.update(
-            bytes_up=result.bytes_up, bytes_down=result.bytes_down, exchanges=result.exchanges,
-            sites_sampled=result.sampled, sites_replied=result.replies, sites_failed=result.failures,
-            sites_rejected=len(result.rejected), model_updated=result.arrays is not None,
-            seconds=time.perf_counter() - t0, seconds_train=t1 - t0,
+            bytes_up=result.bytes_up,
+            bytes_down=result.bytes_down,
+            exchanges=result.exchanges,
+            sites_sampled=result.sampled,
+            sites_replied=result.replies,
+            sites_failed=result.failures,
+            sites_rejected=len(result.rejected),
+            model_updated=result.arrays is not None,
+            seconds=time.perf_counter() - t0,
+            seconds_train=t1 - t0,
             seconds_eval=time.perf_counter() - t1,
         )
         if result.metrics is not None:
@@ -93,6 +173,7 @@ def run_server(grid: Grid, cfg: RunConfig, run_dir: str | Path | None, *,
         records.append(rec)
         if out is not None:
             write_metrics(out, records)
+        checkpoint(rnd)
         if on_round:
             on_round(rec)
     if out is not None:
@@ -104,5 +185,4 @@ def run_server(grid: Grid, cfg: RunConfig, run_dir: str | Path | None, *,
         torch.save(model.state_dict(), buf_path.with_suffix(".pt.tmp"))
         buf_path.with_suffix(".pt.tmp").replace(buf_path)
         write_plot(out, records, title=f"{cfg.run.name}: {cfg.strategy.name} on {cfg.data.dataset}")
-        atomic_write_bytes(out / "config.json", cfg.model_dump_json(indent=2).encode())
     return records

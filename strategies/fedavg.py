@@ -40,8 +40,8 @@ _log = logging.getLogger(__name__)
 
 
 def validate_reply(reply: Message, keys: list[str], reference: list[np.ndarray], *,
-                   weight_key: str = "num-examples", max_norm: float | None = None
-                   ) -> tuple[list[np.ndarray], float, MetricRecord]:
+                   weight_key: str = "num-examples", max_norm: float | None = None,
+                   server_round: int | None = None) -> tuple[list[np.ndarray], float, MetricRecord]:
     """Check one train reply; return ``(arrays, weight, metrics)`` or raise UpdateRejected."""
     site = f"node {reply.metadata.src_node_id}"
     if reply.has_error():
@@ -68,6 +68,11 @@ def validate_reply(reply: Message, keys: list[str], reference: list[np.ndarray],
         raise UpdateRejected(explain(f"{site}.arrays.keys", rkeys[:5], f"must equal the global model's keys {keys[:5]}...",
                                      "send the model of the same architecture"))
     check_update(arrays, reference, max_norm=max_norm, site=site)
+    echoed = mrecs[0].get("server-round")
+    if server_round is not None and echoed is not None and echoed != server_round:
+        raise UpdateRejected(explain(f"{site}.metrics.server-round", echoed,
+                                     f"must be the current round {server_round}",
+                                     "stale reply from an earlier round: it is never aggregated"))
     return arrays, float(weight), mrecs[0]
 
 
@@ -103,16 +108,19 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
         self.seed = seed
         self.optimizer = ServerOptimizer(server_optimizer, lr=server_lr, beta1=server_momentum)
         self.last_rejected: dict[str, str] = {}
+        self.retries = 0
         self._global: tuple[list[str], list[np.ndarray]] | None = None
 
     @classmethod
     def from_config(cls, options: Any, cfg: RunConfig) -> FedAvg:
         """Build from a validated run config."""
         s = cfg.strategy
-        return cls(fraction_train=cfg.run.fraction_train, min_sites=cfg.run.min_sites,
+        strategy = cls(fraction_train=cfg.run.fraction_train, min_sites=cfg.run.min_sites,
                    server_optimizer=s.server_optimizer, server_lr=s.server_lr,
                    server_momentum=s.server_momentum, max_update_norm=s.max_update_norm,
                    seed=cfg.run.seed)
+        strategy.retries = cfg.run.retries
+        return strategy
 
     @property
     def current_global(self) -> tuple[list[str], list[np.ndarray]]:
@@ -151,7 +159,8 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
         return self._construct_messages(record, nodes, MessageType.EVALUATE)
 
     # -- aggregation -------------------------------------------------------------------------
-    def accept(self, replies: Iterable[Message]) -> list[tuple[list[np.ndarray], float, MetricRecord, Message]]:
+    def accept(self, replies: Iterable[Message], server_round: int | None = None
+               ) -> list[tuple[list[np.ndarray], float, MetricRecord, Message]]:
         """Validate every reply; keep the good ones in a deterministic order, log the others."""
         if self._global is None:
             raise RuntimeError("aggregate_train called before configure_train")
@@ -162,7 +171,8 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
             try:
                 arrays, weight, metrics = validate_reply(reply, keys, reference,
                                                          weight_key=self.weighted_by_key,
-                                                         max_norm=self.max_update_norm)
+                                                         max_norm=self.max_update_norm,
+                                                         server_round=server_round)
             except UpdateRejected as exc:
                 self.last_rejected[str(reply.metadata.src_node_id)] = str(exc)
                 _log.warning("rejected update: %s", exc)
@@ -174,7 +184,7 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Weighted mean of the valid replies, applied through the server optimizer."""
-        good = self.accept(replies)
+        good = self.accept(replies, server_round)
         if len(good) < self.min_sites:
             _log.warning("round %d: %d valid updates < min_sites=%d; global model unchanged",
                          server_round, len(good), self.min_sites)
