@@ -13,6 +13,7 @@ Upward encoders (compression, secure-aggregation masking) are ClientApp mods lis
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -59,7 +60,7 @@ def train(msg: Message, context: Context) -> Message:
     keys, weights = record_to_arrays(msg.content.array_records["arrays"] if "arrays" in msg.content.array_records
                                      else next(iter(msg.content.array_records.values())))
     update = compute_update(settings, weights)
-    metrics = {"num-examples": update.num_examples, "partition-id": settings.partition_id,
+    metrics: dict[str, Any] = {"num-examples": update.num_examples, "partition-id": settings.partition_id,
                "server-round": settings.server_round,
                **update.metrics}
     content = RecordDict({"arrays": arrays_to_record(update.weights, keys),

@@ -108,7 +108,7 @@ def save_checkpoint(
     """Write ``run_dir/checkpoint.npz`` atomically; returns its path."""
     extra: list[np.ndarray] = []
     state = _encode(strategy_state, extra) if strategy_state is not None else None
-    np_state = np.random.get_state()
+    np_state: Any = np.random.get_state()
     meta = {
         "version": FORMAT_VERSION,
         "round": round,
@@ -122,7 +122,7 @@ def save_checkpoint(
         "numpy_rng": [np_state[0], int(np_state[2]), int(np_state[3]), float(np_state[4])],
         "python_rng": _encode(random.getstate(), extra),
     }
-    payload: dict[str, np.ndarray] = {}
+    payload: dict[str, Any] = {}
     for i, a in enumerate([*arrays, *extra]):
         payload[f"a{i}"] = np.asarray(a)
     payload["numpy_rng_keys"] = np.asarray(np_state[1])

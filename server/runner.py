@@ -179,7 +179,8 @@ def run_server(
     if out is not None:
         write_metrics(out, records)
         _, final = record_to_arrays(arrays)
-        np.savez(out / "model.npz", **{k: v for k, v in zip(keys, final, strict=True)})
+        named: dict[str, Any] = dict(zip(keys, final, strict=True))
+        np.savez(out / "model.npz", **named)
         set_weights(model, final)
         buf_path = out / "model.pt"
         torch.save(model.state_dict(), buf_path.with_suffix(".pt.tmp"))

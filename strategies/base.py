@@ -228,7 +228,7 @@ def run_train_round(
 
 def error_replies(replies: Iterable[Message]) -> list[tuple[int, str]]:
     """(node id, reason) for every reply that carries an error."""
-    return [(r.metadata.src_node_id, r.error.reason) for r in replies if r.has_error()]
+    return [(r.metadata.src_node_id, r.error.reason or "") for r in replies if r.has_error()]
 
 
 def options_dict(model: BaseModel | None) -> dict[str, Any]:

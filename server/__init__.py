@@ -1,0 +1,1 @@
+"""fedagg ServerApp (``server.app:app``), its round loop and checkpoints."""
