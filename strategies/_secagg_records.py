@@ -1,0 +1,172 @@
+"""Secure-aggregation messages <-> Flower records, and Flower node ids <-> site indices.
+
+The Flower-free core (:mod:`fedagg.secagg`) speaks plain dicts of ``int | bytes | ndarray``.
+Here they become records of a Flower :class:`~flwr.app.RecordDict`:
+
+* ints and bytes -> one :class:`~flwr.app.ConfigRecord` under :data:`CONFIG_KEY`;
+* numpy arrays (the masked ``uint32`` vector, id lists as ``int64``, share rows) -> one
+  :class:`~flwr.app.ArrayRecord` under :data:`ARRAYS_KEY`. Flower ships every array of an
+  ArrayRecord as content-addressed chunks of at most 5 MiB, so a large masked vector is
+  chunked on the wire, never inlined in a ConfigRecord;
+* the public protocol parameters -> a ConfigRecord under :data:`PARAMS_KEY`.
+
+The same conversion stores a site's :meth:`~fedagg.secagg.ClientState.state_dict` in
+``Context.state`` (it holds the site's secret keys and never leaves the site).
+
+Site ids of the core must be small (``< 2^31 - 2``, Shamir evaluation points); Flower node ids
+are 64-bit. :class:`SiteIndex` assigns each node id a small index that stays fixed for the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, TypeVar
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+
+from fedagg.errors import ProtocolError, explain
+from fedagg.secagg import Message as SecAggMessage
+from fedagg.secagg import MessageDict, SecAggParams
+
+__all__ = [
+    "ARRAYS_KEY",
+    "CONFIG_KEY",
+    "PARAMS_KEY",
+    "SiteIndex",
+    "dict_from_records",
+    "dict_to_records",
+    "pack",
+    "params_from_record",
+    "params_to_record",
+    "strip",
+    "unpack",
+]
+
+CONFIG_KEY = "secagg-config"
+ARRAYS_KEY = "secagg-arrays"
+PARAMS_KEY = "secagg-params"
+SECAGG_KEYS = (CONFIG_KEY, ARRAYS_KEY, PARAMS_KEY)
+
+M = TypeVar("M", bound=SecAggMessage)
+
+_PARAM_FIELDS = ("threshold", "num_neighbours", "clip", "frac_bits", "weight_scale")
+
+
+def dict_to_records(data: MessageDict) -> tuple[ConfigRecord, ArrayRecord]:
+    """Split a flat protocol dict into (ints and bytes, numpy arrays)."""
+    scalars: dict[str, Any] = {}
+    arrays: dict[str, Array] = {}
+    for key, value in data.items():
+        if isinstance(value, np.ndarray):
+            arrays[key] = Array(np.ascontiguousarray(value))
+        elif isinstance(value, (bytes, bytearray)):
+            scalars[key] = bytes(value)
+        elif isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
+            scalars[key] = int(value)
+        else:
+            raise ProtocolError(explain(key, type(value).__name__, "must be int, bytes or ndarray",
+                                        "fix the protocol message"))
+    return ConfigRecord(scalars), ArrayRecord(arrays)
+
+
+def dict_from_records(config: ConfigRecord, arrays: ArrayRecord) -> MessageDict:
+    """Inverse of :func:`dict_to_records` (keys of both records, arrays as numpy)."""
+    out: MessageDict = {}
+    for key, value in dict(config).items():
+        if isinstance(value, (bool, float, str, list)):
+            raise ProtocolError(explain(key, type(value).__name__, "must be int or bytes",
+                                        "resend the message"))
+        out[key] = value
+    for key in arrays:
+        if key in out:
+            raise ProtocolError(explain(key, "duplicate", "a key is in both records", "-"))
+        out[key] = arrays[key].numpy()
+    return out
+
+
+def pack(content: RecordDict, message: SecAggMessage) -> RecordDict:
+    """Add ``message`` to ``content`` (under :data:`CONFIG_KEY` / :data:`ARRAYS_KEY`)."""
+    config, arrays = dict_to_records(message.to_dict())
+    content[CONFIG_KEY] = config
+    content[ARRAYS_KEY] = arrays
+    return content
+
+
+def unpack(content: RecordDict, cls: type[M]) -> M:
+    """Read a protocol message of type ``cls`` from ``content``.
+
+    Raises
+    ------
+    ProtocolError
+        The records are missing or do not hold a valid ``cls`` message.
+    """
+    config = content.config_records.get(CONFIG_KEY)
+    arrays = content.array_records.get(ARRAYS_KEY)
+    if config is None or arrays is None:
+        raise ProtocolError(explain("message content", sorted(content.keys()),
+                                    f"must hold {CONFIG_KEY!r} and {ARRAYS_KEY!r}",
+                                    "send a fedagg secure-aggregation message"))
+    return cls.from_dict(dict_from_records(config, arrays))
+
+
+def strip(content: RecordDict) -> RecordDict:
+    """A copy of ``content`` without the secure-aggregation records (records are shared)."""
+    return RecordDict({k: v for k, v in content.items() if k not in SECAGG_KEYS})
+
+
+def params_to_record(params: SecAggParams, site: int) -> ConfigRecord:
+    """Public parameters (and the receiving site's index) for a site."""
+    rec: dict[str, Any] = {"site": site}
+    for name in _PARAM_FIELDS:
+        value = getattr(params, name)
+        if value is not None:
+            rec[name] = value
+    return ConfigRecord(rec)
+
+
+def params_from_record(record: ConfigRecord) -> tuple[int, SecAggParams]:
+    """``(site index, SecAggParams)`` from :func:`params_to_record`'s record."""
+    values = dict(record)
+    site = values.pop("site", None)
+    if not isinstance(site, int) or isinstance(site, bool):
+        raise ProtocolError(explain(f"{PARAMS_KEY}.site", site, "must be an int",
+                                    "send the site index with every secure-aggregation message"))
+    unknown = set(values) - set(_PARAM_FIELDS)
+    if unknown:
+        raise ProtocolError(explain(PARAMS_KEY, sorted(unknown), "unknown parameters",
+                                    "use the same fedagg version on server and sites"))
+    return site, SecAggParams(**values)  # type: ignore[arg-type]
+
+
+class SiteIndex:
+    """Stable small index per Flower node id, for the whole run.
+
+    Nodes seen in the first call get ``0, 1, ...`` in the order of their node ids; nodes that
+    appear later get the next free index. An index is never reused, so a node that leaves and
+    returns keeps its index and a new node never inherits someone else's.
+    """
+
+    def __init__(self) -> None:
+        self._index: dict[int, int] = {}
+        self._node: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def indices(self, node_ids: Iterable[int]) -> list[int]:
+        """Indices of ``node_ids`` (assigning new ones in sorted node-id order)."""
+        ids = [int(n) for n in node_ids]
+        for node in sorted(set(ids) - set(self._index)):
+            i = len(self._index)
+            self._index[node] = i
+            self._node[i] = node
+        return [self._index[n] for n in ids]
+
+    def node(self, index: int) -> int:
+        """The node id of ``index`` (KeyError if unknown)."""
+        return self._node[index]
+
+    def index(self, node_id: int) -> int | None:
+        """The index of ``node_id``, or None if the node was never seen."""
+        return self._index.get(int(node_id))

@@ -1,0 +1,423 @@
+"""Secure aggregation (SecAgg+) over Flower: the server learns only the weighted mean update.
+
+:class:`SecureAggregation` wraps an aggregation strategy (``inner``, fedagg's
+:class:`~strategies.fedavg.FedAvg` by default) and drives the stages of the Flower-free core
+(:class:`fedagg.secagg.ServerState`) over the :class:`~flwr.serverapp.Grid`. The sites run the
+other half as a ClientApp mod (:func:`clients.secure.secure_mod`), the last step before the
+upload. Each site uploads ``w * (new - global)`` and its weight ``w`` (examples), both masked;
+the server unmasks only their sums and applies the weighted mean delta through the inner
+strategy's server optimizer, so with ``server_optimizer = "none"`` the new model is the
+plaintext FedAvg of the counted sites (up to the fixed-point error, reported per round).
+
+Exchanges (message types; see docs/protocols/secagg.md, "Flower mapping"):
+
+=====  ==========================  ==========================================================
+S1     ``query.secagg_advertise``  key setup: first round, or when membership changes
+S2     ``query.secagg_share_keys``
+R1     ``train``                   global model + RoundRequest -> MaskedUpload (uint32 array)
+R2     ``query.secagg_unmask``     UnmaskRequest -> UnmaskResponse (shares)
+=====  ==========================  ==========================================================
+
+A site that fails or misses the deadline before its upload is removed (its pairwise masks are
+rebuilt from ``t`` shares); one that fails after uploading is still counted. When a needed
+secret has fewer than ``t`` live holders the round aborts: the global model stays as it was,
+and the run continues with the next round.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+
+from fedagg.config import RunConfig, SecAggConfig
+from fedagg.errors import AbortRound, ConfigError, ProtocolError, VerificationError, explain
+from fedagg.secagg import (
+    KeyAdvertise,
+    MaskedUpload,
+    SecAggParams,
+    ServerState,
+    ShareKeys,
+    UnmaskResponse,
+)
+from fedagg.secagg import Message as SecAggMessage
+from strategies._records import arrays_to_record, message_nbytes, record_to_arrays
+from strategies._secagg_records import PARAMS_KEY, SiteIndex, pack, params_to_record, unpack
+from strategies.base import FedaggStrategy, RoundResult
+from strategies.fedavg import FedAvg
+
+__all__ = [
+    "ADVERTISE",
+    "SHARE_KEYS",
+    "UNMASK",
+    "SecureAggregation",
+    "flatten_arrays",
+    "resolve_params",
+    "unflatten_like",
+]
+
+_log = logging.getLogger(__name__)
+
+ADVERTISE = f"{MessageType.QUERY}.secagg_advertise"
+SHARE_KEYS = f"{MessageType.QUERY}.secagg_share_keys"
+UNMASK = f"{MessageType.QUERY}.secagg_unmask"
+
+
+def flatten_arrays(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """Concatenate arrays into one flat float64 vector (the order of ``arrays``)."""
+    if not arrays:
+        return np.zeros(0, np.float64)
+    return np.concatenate([np.asarray(a, np.float64).reshape(-1) for a in arrays])
+
+
+def unflatten_like(flat: np.ndarray, like: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Split ``flat`` into arrays of the shapes of ``like`` (float64)."""
+    out, pos = [], 0
+    for a in like:
+        n = int(np.asarray(a).size)
+        out.append(np.asarray(flat[pos:pos + n], np.float64).reshape(np.shape(a)))
+        pos += n
+    if pos != flat.size:
+        raise ProtocolError(explain("aggregate size", flat.size, f"must be {pos}", "-"))
+    return out
+
+
+def resolve_params(sec: SecAggConfig, num_sites: int, *, upload_timeout: float = 600.0
+                   ) -> SecAggParams:
+    """Core parameters for ``num_sites`` sites: resolves ``k`` and ``t``, checks headroom.
+
+    Raises
+    ------
+    ConfigError
+        The combination cannot work (fewer than 2 sites, ``t > k``, no fixed-point headroom);
+        the message names the setting to change.
+    """
+    if num_sites < 2:
+        raise ConfigError(explain("sites per round", num_sites,
+                                  "secure aggregation needs at least 2 sites in a round",
+                                  "raise run.sites or run.fraction_train"))
+    k = SecAggParams(threshold=1, num_neighbours=sec.neighbours).neighbours_for(num_sites)
+    t = sec.resolve_threshold(k)
+    params = SecAggParams(threshold=t, num_neighbours=sec.neighbours, clip=sec.clip,
+                          frac_bits=sec.frac_bits, weight_scale=sec.weight_scale,
+                          setup_timeout_s=sec.timeout, upload_timeout_s=upload_timeout,
+                          unmask_timeout_s=sec.timeout)
+    params.neighbours_for(num_sites)
+    params.frac_bits_for(num_sites)
+    return params
+
+
+@dataclass
+class _Exchange:
+    """Bookkeeping of one secure round (bytes, exchanges, seconds, outcomes)."""
+
+    bytes_down: int = 0
+    bytes_up: int = 0
+    exchanges: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+    failed: dict[int, str] = field(default_factory=dict)
+    rejected: dict[str, str] = field(default_factory=dict)
+
+    def tick(self, phase: str, t0: float) -> float:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - t0
+        return now
+
+
+class SecureAggregation(FedaggStrategy):
+    """SecAgg+ around an aggregation strategy (``strategy.name = "secure"``).
+
+    Parameters
+    ----------
+    inner : FedAvg, optional
+        Samples the sites, holds the server optimizer and evaluates; fedagg's FedAvg when
+        omitted. Its ``aggregate_train`` is never called: the server never sees a single
+        update in the clear.
+    secagg : SecAggConfig, optional
+        Threshold, neighbours, clip range, fractional bits, weight bound, timeout.
+    config_key : str
+        Name of the ConfigRecord with the run config in every message (as the ClientApp
+        expects).
+    run_id : bytes, optional
+        Bound into every derived key; 16 random bytes when omitted.
+    """
+
+    def __init__(self, inner: FedAvg | None = None, *, secagg: SecAggConfig | None = None,
+                 config_key: str = "config", run_id: bytes | None = None) -> None:
+        self.inner = inner if inner is not None else FedAvg()
+        if not isinstance(self.inner, FedAvg):
+            raise ConfigError(explain("inner", type(self.inner).__name__,
+                                      "secure aggregation wraps fedagg's FedAvg (or a subclass)",
+                                      "pass strategies.fedavg.FedAvg(...)"))
+        self.secagg = secagg if secagg is not None else SecAggConfig()  # type: ignore[call-arg]
+        self.config_key = config_key
+        self._run_id = run_id if run_id is not None else os.urandom(16)
+        self.server: ServerState | None = None
+        self.params: SecAggParams | None = None
+        self.sites = SiteIndex()
+        self._counter = 0
+        self.last_result: Any = None  # fedagg.secagg.RoundResult of the last completed round
+        self.history: list[dict[str, Any]] = []
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, options: Any, cfg: RunConfig) -> SecureAggregation:
+        """Build from a run config: inner FedAvg from the same config, SecAgg+ from ``[secagg]``.
+
+        Raises
+        ------
+        ConfigError
+            Impossible combinations, explained (too few sites per round, ``t > k``, no
+            fixed-point headroom, compression of the upload, which masks cannot cover yet).
+        """
+        if cfg.compression.up != "none":
+            raise ConfigError(explain(
+                "compression.up", cfg.compression.up,
+                "the 'secure' strategy masks the full update; pairwise masks only cancel on a "
+                "support every site shares, and compressed secure uploads are not wired up yet",
+                "set compression.up = 'none' with strategy.name = 'secure'"))
+        per_round = max(int(cfg.run.sites * cfg.run.fraction_train), 1)
+        try:
+            resolve_params(cfg.secagg, per_round, upload_timeout=cfg.run.round_timeout)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} (strategy 'secure' with {per_round} sites per round: "
+                              f"run.sites={cfg.run.sites} x run.fraction_train="
+                              f"{cfg.run.fraction_train})") from None
+        return cls(FedAvg.from_config(None, cfg), secagg=cfg.secagg)
+
+    # -- Flower Strategy interface (evaluation is delegated) ----------------------------------
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        """Not used: secure rounds need several exchanges, see :meth:`train_round`."""
+        raise NotImplementedError("SecureAggregation drives its exchanges in train_round()")
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Not used: see :meth:`train_round`."""
+        raise NotImplementedError("SecureAggregation drives its exchanges in train_round()")
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        """Federated evaluation, as the inner strategy does it."""
+        return self.inner.configure_evaluate(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]
+                           ) -> MetricRecord | None:
+        """Evaluation metrics, as the inner strategy aggregates them."""
+        return self.inner.aggregate_evaluate(server_round, replies)
+
+    def summary(self) -> None:
+        """Log the configuration."""
+        _log.info("SecureAggregation(SecAgg+) around %s: %s", type(self.inner).__name__,
+                  self.secagg)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Server-optimizer state (the protocol state is not checkpointed: a restart re-keys)."""
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        self.inner.load_state_dict(state)
+
+    # -- messaging helpers --------------------------------------------------------------------
+    def _message(self, grid: Grid, node: int, site: int, kind: str, body: SecAggMessage,
+                 config: ConfigRecord, group: str, ttl: float,
+                 extra: dict[str, Any] | None = None) -> Message:
+        assert self.params is not None
+        content = RecordDict(dict(extra or {}))
+        content[self.config_key] = config
+        content[PARAMS_KEY] = params_to_record(self.params, site)
+        pack(content, body)
+        return grid.create_message(content, kind, node, group, ttl=ttl)
+
+    def _exchange(self, grid: Grid, messages: list[Message], timeout: float, ex: _Exchange,
+                  phase: str) -> list[Message]:
+        """Send, wait, count bytes; replies with errors are recorded as failures."""
+        ex.bytes_down += sum(message_nbytes(m) for m in messages)
+        t0 = time.perf_counter()
+        replies = list(grid.send_and_receive(messages, timeout=timeout)) if messages else []
+        ex.tick(phase, t0)
+        ex.exchanges += 1
+        answered = {r.metadata.src_node_id for r in replies}
+        ok = []
+        for m in messages:
+            if m.metadata.dst_node_id not in answered:
+                self._fail(ex, m.metadata.dst_node_id, f"{phase}: no reply within {timeout:.0f} s")
+        for r in replies:
+            if r.has_error():
+                self._fail(ex, r.metadata.src_node_id, f"{phase}: {r.error.reason}")
+            else:
+                ex.bytes_up += message_nbytes(r)
+                ok.append(r)
+        return ok
+
+    def _fail(self, ex: _Exchange, node: int, reason: str) -> None:
+        ex.failed.setdefault(node, reason)
+        _log.warning("secure aggregation: node %d dropped (%s)", node, reason)
+
+    def _receive(self, ex: _Exchange, reply: Message, cls: type[Any], site_of: dict[int, int],
+                 accept: Any, phase: str) -> None:
+        """Parse one reply and hand it to the server state; protocol errors drop the site."""
+        node = reply.metadata.src_node_id
+        try:
+            msg = unpack(reply.content, cls)
+            if site_of.get(node) != msg.site:
+                raise ProtocolError(explain("site", msg.site, f"node {node} has index "
+                                            f"{site_of.get(node)}", "-"))
+            accept(msg)
+        except (ProtocolError, VerificationError) as exc:
+            ex.rejected[str(node)] = f"{phase}: {exc}"
+            self._fail(ex, node, f"{phase}: invalid reply: {exc}")
+
+    # -- key setup (two exchanges) -------------------------------------------------------------
+    def _setup(self, grid: Grid, nodes: Sequence[int], config: ConfigRecord, group: str,
+               ex: _Exchange) -> None:
+        assert self.server is not None and self.params is not None
+        t = self.params.setup_timeout_s
+        idx = dict(zip(nodes, self.sites.indices(nodes), strict=True))
+        request = self.server.begin_setup(idx.values())
+        msgs = [self._message(grid, n, i, ADVERTISE, request, config, group, t)
+                for n, i in idx.items()]
+        for reply in self._exchange(grid, msgs, t, ex, "setup"):
+            self._receive(ex, reply, KeyAdvertise, idx, self.server.receive_advertise, "advertise")
+        share_requests = self.server.close_advertise()  # AbortRound when < 2 sites advertised
+        node_of = {i: n for n, i in idx.items()}
+        msgs = [self._message(grid, node_of[i], i, SHARE_KEYS, req, config, group, t)
+                for i, req in share_requests.items()]
+        for reply in self._exchange(grid, msgs, t, ex, "setup"):
+            self._receive(ex, reply, ShareKeys, idx, self.server.receive_share_keys, "share_keys")
+        usable = self.server.close_share_keys()
+        _log.info("secure aggregation: epoch %d keyed with %d of %d sites", self.server.epoch,
+                  len(usable), len(nodes))
+
+    def _ensure_server(self, grid: Grid, round_timeout: float) -> ServerState:
+        if self.server is None:
+            n = len(list(grid.get_node_ids()))
+            per_round = max(int(n * self.inner.fraction_train), self.inner.min_train_nodes)
+            self.params = resolve_params(self.secagg, min(per_round, n),
+                                         upload_timeout=round_timeout)
+            self.server = ServerState(self.params, run_id=self._run_id)
+        return self.server
+
+    # -- one round -----------------------------------------------------------------------------
+    def train_round(self, grid: Grid, server_round: int, arrays: ArrayRecord,
+                    config: ConfigRecord, timeout: float) -> RoundResult:
+        """Key setup if needed, masked upload with training, unmask, apply the mean delta."""
+        ex = _Exchange()
+        t_start = time.perf_counter()
+        server = self._ensure_server(grid, timeout)
+        keys, current = record_to_arrays(arrays)
+        dim = int(sum(np.asarray(a).size for a in current))
+        config = ConfigRecord(dict(config))
+        config["server-round"] = server_round
+        group = str(server_round)
+        nodes = self.inner.sample(grid, server_round, self.inner.fraction_train,
+                                  self.inner.min_train_nodes)
+        site_of = dict(zip(nodes, self.sites.indices(nodes), strict=True))
+        ex.tick("configure", t_start)
+
+        def done(new: ArrayRecord | None, metrics: MetricRecord | None, replies: int,
+                 reason: str = "") -> RoundResult:
+            if new is None:
+                _log.warning("round %d: secure aggregation aborted, global model unchanged: %s",
+                             server_round, reason)
+            self.history.append({"round": server_round, "aborted": new is None, "reason": reason,
+                                 "failed": dict(ex.failed), "exchanges": ex.exchanges})
+            return RoundResult(arrays=new, metrics=metrics, bytes_down=ex.bytes_down,
+                               bytes_up=ex.bytes_up, exchanges=ex.exchanges, sampled=len(nodes),
+                               replies=replies, failures=len(ex.failed), rejected=ex.rejected,
+                               seconds=ex.seconds)
+
+        try:
+            requests = self._open_round(grid, server, nodes, site_of, dim, config, group, ex)
+        except (AbortRound, ConfigError) as exc:
+            return done(None, None, 0, str(exc))
+        node_of = {i: n for n, i in site_of.items()}
+        msgs = [self._message(grid, node_of[i], i, MessageType.TRAIN, req, config, group, timeout,
+                              {self.inner.arrayrecord_key: arrays})
+                for i, req in requests.items()]
+        for reply in self._exchange(grid, msgs, timeout, ex, "upload"):
+            self._receive(ex, reply, MaskedUpload, site_of, server.receive_upload, "upload")
+        t0 = time.perf_counter()
+        try:
+            unmask_requests = server.close_uploads()
+        except AbortRound as exc:
+            return done(None, None, 0, str(exc))
+        ex.tick("aggregate", t0)
+        counted = len(unmask_requests)
+        ut = self.params.unmask_timeout_s if self.params else self.secagg.timeout
+        msgs = [self._message(grid, node_of[i], i, UNMASK, req, config, group, ut)
+                for i, req in unmask_requests.items()]
+        for reply in self._exchange(grid, msgs, ut, ex, "unmask"):
+            self._receive(ex, reply, UnmaskResponse, site_of, server.receive_unmask, "unmask")
+        t0 = time.perf_counter()
+        try:
+            result = server.finish_round()
+        except (AbortRound, VerificationError) as exc:
+            ex.tick("aggregate", t0)
+            return done(None, None, counted, f"unmask failed: {exc}")
+        problem = self._check_aggregate(result.mean)
+        if problem:
+            ex.tick("aggregate", t0)
+            return done(None, None, counted, problem)
+        delta = unflatten_like(result.mean, current)
+        new = self.inner.optimizer.step(current, delta)
+        new = [np.asarray(n).astype(np.asarray(c).dtype, copy=False)
+               for n, c in zip(new, current, strict=True)]
+        self.last_result = result
+        metrics = MetricRecord({
+            "num-examples": float(result.total_weight),
+            "secagg-counted": len(result.counted), "secagg-dropped": len(result.dropped),
+            "secagg-frac-bits": result.frac_bits, "secagg-error-bound": float(result.error_bound),
+            "secagg-epoch": result.epoch,
+        })
+        ex.tick("aggregate", t0)
+        _log.info("round %d: secure mean of %d sites (%d dropped before upload), error <= %.2e",
+                  server_round, len(result.counted), len(result.dropped), result.error_bound)
+        return done(arrays_to_record(new, keys), metrics, len(result.counted))
+
+    def _open_round(self, grid: Grid, server: ServerState, nodes: Sequence[int],
+                    site_of: dict[int, int], dim: int, config: ConfigRecord, group: str,
+                    ex: _Exchange) -> dict[int, Any]:
+        """Re-key when needed and open the round; returns ``{site: RoundRequest}``."""
+        sampled = [site_of[n] for n in nodes]
+        keyed = False
+        if server.epoch == 0 or server.needs_rekey(sampled):
+            t0 = time.perf_counter()
+            self._setup(grid, list(grid.get_node_ids()), config, group, ex)
+            ex.tick("setup", t0)
+            keyed = True
+        for attempt in (0, 1):
+            part = [i for i in sampled if i in set(server.usable_sites)]
+            self._counter += 1
+            try:
+                return server.begin_round(self._counter, part, dim)
+            except AbortRound:
+                # Some participant has < t neighbours among the sampled sites (sparse graph
+                # over a larger roster): key a new epoch over exactly the sampled sites.
+                if keyed or attempt:
+                    raise
+                t0 = time.perf_counter()
+                self._setup(grid, list(nodes), config, group, ex)
+                ex.tick("setup", t0)
+                keyed = True
+        raise AssertionError("unreachable")
+
+    def _check_aggregate(self, mean: np.ndarray) -> str:
+        """Reason to refuse the unmasked mean delta ('' when it is fine)."""
+        if not bool(np.isfinite(mean).all()):
+            return "the unmasked aggregate is not finite"
+        limit = self.inner.max_update_norm
+        norm = float(np.linalg.norm(mean))
+        if limit is not None and norm > limit:
+            return f"aggregate delta norm {norm:.3g} > strategy.max_update_norm={limit}"
+        if self.params is not None and float(np.abs(mean).max(initial=0.0)) > self.params.clip + 1:
+            return "aggregate outside the clip range (corrupted masks?)"
+        return ""
