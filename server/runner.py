@@ -166,6 +166,8 @@ def run_server(
         )
         if result.metrics is not None:
             rec["train_loss"] = result.metrics.get("train-loss")
+            rec.update({k.replace("-", "_"): v for k, v in result.metrics.items()
+                        if k.startswith("secagg-")})  # secure aggregation: counted, dropped, error bound
         for phase, sec in result.seconds.items():
             rec[f"seconds_{phase}"] = sec
         if result.rejected:
