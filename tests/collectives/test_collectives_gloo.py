@@ -74,7 +74,7 @@ def _errors(comm: TorchDistCommunicator) -> list[str]:
         out.append(f"{type(exc).__name__}: {exc}")
     short = TorchDistCommunicator(timeout=1.0)
     if comm.rank == comm.world_size - 1:  # the last rank never joins this call
-        time.sleep(2.5)  # but stays alive, so its peers must time out
+        time.sleep(2.0)  # but stays alive, so its peers must time out
     else:
         try:
             all_reduce(torch.ones(8), algorithm="ring", comm=short)
@@ -91,9 +91,9 @@ def test_gloo_oracle(n: int) -> None:
 
 
 def test_gloo_bad_input_raises_on_every_rank_and_times_out() -> None:
-    results = run_processes(3, _errors, timeout=120, comm_timeout=30)
+    results = run_processes(2, _errors, timeout=120, comm_timeout=30)
     for rank, res in enumerate(results):
         assert res[0].startswith("CollectiveError") and "numel" in res[0], res
         assert res[1].startswith("CollectiveError") and "dtype" in res[1], res
-        if rank != 2:
+        if rank != 1:
             assert res[2].startswith("CollectiveTimeout"), res

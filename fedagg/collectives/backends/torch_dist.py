@@ -354,7 +354,7 @@ def host_store(timeout: float = DEFAULT_TIMEOUT_S) -> tuple[Any, int]:
     alive while the workers run; workers join with :func:`init_process_group`. Binding port 0
     in the store itself leaves no window in which concurrent sites could pick the same port.
     """
-    store = dist.TCPStore(
+    store = dist.TCPStore(  # type: ignore[attr-defined]
         "127.0.0.1", 0, None, True, timeout=timedelta(seconds=timeout), wait_for_workers=False
     )
     return store, int(store.port)
@@ -382,7 +382,9 @@ def init_process_group(
     timeout : float
         Seconds for the rendezvous, for the process group and for the communicator's waits.
     """
-    store = dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=timeout))
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        host, port, None, False, timeout=timedelta(seconds=timeout)
+    )
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
     )
