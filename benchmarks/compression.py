@@ -1,0 +1,364 @@
+"""Compressed updates on Fashion-MNIST: accuracy vs upward bytes, all variants side by side.
+
+Every variant trains the same model from the same initial weights on the same 20 Dirichlet(0.3)
+partitions with the same seeds, for the same fixed number of rounds; rounds are interleaved
+across variants (round 1 of every variant, then round 2, ...) so machine-load drift hits all
+alike. Variants: dense FedAvg; TopK 10 % / 1 % with and without error feedback; int8; bf16;
+the plaintext shared-support paths (seeded random support, top-k of the previous aggregate);
+and secure aggregation dense / sparse (both supports) when ``strategies.secure`` exists
+(otherwise those rows say "pending: secure strategy").
+
+How it runs: **in-process**, on the real client code path. Each site is the real ClientApp
+(``clients.app:app``: its MODS, i.e. :func:`clients.mods.compression_mod`, and its train
+handler) called with real Flower ``Message`` and ``Context`` objects; every message crosses a
+real Flower serialization round trip (deflate -> inflate of all its objects, as the SuperLink
+stores it), and bytes up / down are :func:`strategies._records.message_nbytes` of the real
+messages, measured by :func:`strategies.base.default_train_round` exactly as in a Flower run.
+The one thing left out is Ray: 20 sites x 12 variants x 30 rounds through Flower's simulation
+engine does not fit the 2-core development machine in 15 minutes.
+
+Usage::
+
+    python benchmarks/compression.py                 # full run (about 10-15 min on 2 cores)
+    python benchmarks/compression.py --rounds 3 --variants dense,topk1-ef   # quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+
+@dataclass
+class Variant:
+    key: str
+    label: str
+    overrides: list[str]
+    secure: bool = False
+
+
+VARIANTS = [
+    Variant("dense", "dense FedAvg (fp32)", ["strategy.name=fedavg"]),
+    Variant("topk10", "TopK 10 %", ["strategy.name=compressed", "compression.up=topk:0.1"]),
+    Variant("topk10-ef", "TopK 10 % + EF", ["strategy.name=compressed", "compression.up=topk:0.1+ef"]),
+    Variant("topk1", "TopK 1 %", ["strategy.name=compressed", "compression.up=topk:0.01"]),
+    Variant("topk1-ef", "TopK 1 % + EF", ["strategy.name=compressed", "compression.up=topk:0.01+ef"]),
+    Variant("int8", "int8 (dense, chunk 256)", ["strategy.name=compressed", "compression.up=int8"]),
+    Variant("bf16", "bf16 (dense)", ["strategy.name=compressed", "compression.up=bf16"]),
+    Variant("shared1-ef", "shared random support 1 % + EF (plaintext)",
+            ["strategy.name=compressed", "compression.up=topk:0.01+ef", "compression.support=random"]),
+    Variant("aggtopk1-ef", "top-k of previous aggregate 1 % + EF (plaintext)",
+            ["strategy.name=compressed", "compression.up=topk:0.01+ef",
+             "compression.support=topk-aggregate"]),
+    Variant("secure-dense", "secure dense", ["strategy.name=secure"], secure=True),
+    Variant("secure-random1", "secure sparse, random support 1 % + EF",
+            ["strategy.name=secure", "compression.up=topk:0.01+ef", "compression.support=random"],
+            secure=True),
+    Variant("secure-aggtopk1", "secure sparse, top-k-of-aggregate 1 % + EF",
+            ["strategy.name=secure", "compression.up=topk:0.01+ef",
+             "compression.support=topk-aggregate"], secure=True),
+]
+
+
+def _wire_copy(message: Any) -> Any:
+    """The message as the receiver gets it: every object deflated and inflated again."""
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+    from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
+
+    contents = {oid: obj.deflate() for oid, obj in get_all_nested_objects(message).items()}
+    return inflate_object_from_contents(message.object_id, contents)
+
+
+class InProcessGrid:
+    """A Flower Grid that delivers each message to the real ClientApp of its site, in process.
+
+    Each site has its own ``Context`` (state kept across rounds, as Flower keeps it per node).
+    A ClientApp exception becomes an error reply, as in Flower's runtime.
+    """
+
+    def __init__(self, client_app: Any, node_ids: list[int], num_partitions: int) -> None:
+        from flwr.app import Context, RecordDict
+
+        self.app = client_app
+        self.contexts = {
+            nid: Context(run_id=1, node_id=nid, node_config={"partition-id": i,
+                                                             "num-partitions": num_partitions},
+                         state=RecordDict(), run_config={})
+            for i, nid in enumerate(node_ids)
+        }
+
+    # Grid API ---------------------------------------------------------------------------------
+    def create_message(self, content: Any, message_type: str, dst_node_id: int, group_id: str,
+                       ttl: float | None = None) -> Any:
+        from flwr.app import Message
+
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.contexts)
+
+    def push_messages(self, messages: Iterable[Any]) -> list[str]:
+        raise NotImplementedError("use send_and_receive")
+
+    def pull_messages(self, message_ids: Iterable[str]) -> list[Any]:
+        raise NotImplementedError("use send_and_receive")
+
+    def send_and_receive(self, messages: Iterable[Any], *, timeout: float | None = None) -> list[Any]:
+        from flwr.app import Error, Message
+
+        replies = []
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = str(uuid.uuid4())
+            msg.metadata.__dict__["_run_id"] = 1
+            delivered = _wire_copy(msg)
+            delivered.metadata.__dict__["_message_id"] = msg.metadata.message_id
+            ctx = self.contexts[delivered.metadata.dst_node_id]
+            try:
+                reply = self.app(delivered, ctx)
+            except Exception as exc:  # Flower turns a ClientApp exception into an error reply
+                reply = Message(Error(code=2, reason=f"{type(exc).__name__}: {exc}"),
+                                reply_to=delivered)
+            back = _wire_copy(reply)
+            # ids are not part of the serialized objects; the SuperLink assigns / keeps them
+            back.metadata.__dict__["_message_id"] = str(uuid.uuid4())
+            back.metadata.__dict__["_reply_to_message_id"] = msg.metadata.message_id
+            replies.append(back)
+        return replies
+
+
+@dataclass
+class Track:
+    variant: Variant
+    cfg: Any = None
+    strategy: Any = None
+    grid: Any = None
+    arrays: Any = None
+    status: str = "ok"
+    acc: list[float] = field(default_factory=list)
+    up_per_site: list[float] = field(default_factory=list)
+    down_per_site: list[float] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    rejected: int = 0
+    first_rejection: str = ""
+
+
+def run(args: argparse.Namespace) -> tuple[list[Track], dict[str, Any]]:
+    import torch
+
+    from clients.app import app as client_app
+    from fedagg.config import load_config
+    from fedagg.data import load_dataset
+    from fedagg.models import build_model, set_weights
+    from fedagg.training import evaluate
+    from server.runner import client_config
+    from strategies._records import arrays_to_record, record_to_arrays
+    from strategies.base import run_train_round
+    from strategies.registry import build_strategy
+
+    from flwr.supercore.task_identity import TaskIdentity
+
+    # Flower sets these when it starts a ServerApp / ClientApp; in process we set them once
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    torch.set_num_threads(args.threads)
+    common = [f"run.sites={args.sites}", f"run.rounds={args.rounds}", f"run.seed={args.seed}",
+              "data.dataset=fashion-mnist", "data.partitioner=dirichlet",
+              f"data.dirichlet_alpha={args.alpha}", f"data.max_train_examples={args.max_train}",
+              f"model.name={args.model}", f"train.local_epochs={args.local_epochs}",
+              f"train.batch_size={args.batch_size}", f"train.lr={args.lr}", f"train.momentum={args.momentum}"]
+    wanted = set(args.variants.split(",")) if args.variants else None
+    secure_exists = importlib.util.find_spec("strategies.secure") is not None
+    base_cfg = load_config(None, common)
+    ds = load_dataset("fashion-mnist", data_dir=base_cfg.data.data_dir)
+    model = build_model(args.model, ds.input_shape, ds.num_classes, seed=args.seed)
+    keys = list(model.state_dict().keys())
+    init = [t.detach().numpy().copy() for t in model.state_dict().values()]
+    node_ids = [1000 + 7919 * i for i in range(args.sites)]
+
+    def accuracy(arrays: Any) -> float:
+        set_weights(model, record_to_arrays(arrays)[1])
+        return float(evaluate(model, ds.x_test, ds.y_test)[1])
+
+    acc0 = accuracy(arrays_to_record(init, keys))
+    tracks: list[Track] = []
+    for v in VARIANTS:
+        if wanted is not None and v.key not in wanted:
+            continue
+        t = Track(v)
+        tracks.append(t)
+        if v.secure and not secure_exists:
+            t.status = "pending: secure strategy"
+            continue
+        try:
+            t.cfg = load_config(None, [*common, *v.overrides])
+            t.strategy = build_strategy(t.cfg)
+        except Exception as exc:  # e.g. the secure strategy exists but rejects this config
+            t.status = f"failed to build: {type(exc).__name__}: {exc}"[:300]
+            continue
+        t.grid = InProcessGrid(client_app, node_ids, args.sites)
+        t.arrays = arrays_to_record(init, keys)
+        t.acc.append(acc0)
+
+    t_start = time.perf_counter()
+    for rnd in range(1, args.rounds + 1):
+        live = [t for t in tracks if t.status == "ok"]
+        order = live if rnd % 2 else live[::-1]
+        for t in order:
+            t0 = time.perf_counter()
+            try:
+                res = run_train_round(t.strategy, t.grid, rnd, t.arrays, client_config(t.cfg),
+                                      t.cfg.run.round_timeout)
+            except Exception as exc:
+                t.status = f"failed in round {rnd}: {type(exc).__name__}: {exc}"[:300]
+                continue
+            t.seconds.append(time.perf_counter() - t0)
+            if res.arrays is not None:
+                t.arrays = res.arrays
+            t.rejected += len(res.rejected) + res.failures
+            if res.rejected and not t.first_rejection:
+                t.first_rejection = next(iter(res.rejected.values()))[:300]
+            n = max(res.replies, 1)
+            t.up_per_site.append(res.bytes_up / n)
+            t.down_per_site.append(res.bytes_down / max(res.sampled, 1))
+            t.acc.append(accuracy(t.arrays))
+        print(f"round {rnd}/{args.rounds} done, {time.perf_counter() - t_start:.0f} s: "
+              + ", ".join(f"{t.variant.key}={t.acc[-1]:.3f}" for t in live if t.acc), flush=True)
+    meta = {"wall_seconds": time.perf_counter() - t_start, "initial_accuracy": acc0,
+            "params": int(sum(a.size for a in init)), "secure_strategy_found": secure_exists,
+            "args": vars(args)}
+    return tracks, meta
+
+
+def table(tracks: list[Track], meta: dict[str, Any]) -> str:
+    dense = next((t for t in tracks if t.variant.key == "dense" and t.status == "ok"), None)
+    dense_up = statistics.median(dense.up_per_site) if dense and dense.up_per_site else None
+    dense_final = dense.acc[-1] if dense and dense.acc else None
+    lines = ["| variant | final acc | best acc | Δ final vs dense | up bytes / site / round (median) "
+             "| up ratio to dense fp32 | down bytes / site / round | median s / round | rejected |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for t in tracks:
+        if t.status != "ok" or not t.up_per_site:
+            lines.append(f"| {t.variant.label} | {t.status} | | | | | | | |")
+            continue
+        up = statistics.median(t.up_per_site)
+        ratio = f"{up / dense_up:.4f}x ({dense_up / up:.0f}x fewer)" if dense_up else "n/a"
+        delta = f"{100 * (t.acc[-1] - dense_final):+.1f} pp" if dense_final is not None else "n/a"
+        lines.append(
+            f"| {t.variant.label} | {t.acc[-1]:.4f} | {max(t.acc[1:]):.4f} | {delta} | {up:,.0f} | "
+            f"{ratio} | {statistics.median(t.down_per_site):,.0f} | "
+            f"{statistics.median(t.seconds):.2f} | {t.rejected} |")
+    return "\n".join(lines)
+
+
+def targets(tracks: list[Track]) -> list[str]:
+    by = {t.variant.key: t for t in tracks}
+    out = []
+    dense, ef = by.get("dense"), by.get("topk1-ef")
+    if (dense and ef and dense.status == ef.status == "ok" and ef.up_per_site
+            and statistics.median(ef.up_per_site) > 0):
+        gap = dense.acc[-1] - ef.acc[-1]
+        fewer = statistics.median(dense.up_per_site) / statistics.median(ef.up_per_site)
+        ok = gap <= 0.02 and fewer >= 50
+        out.append(f"TopK 1 % + EF within 2 % of dense accuracy at >= 50x fewer upward bytes: "
+                   f"{'MET' if ok else 'NOT MET'} (final accuracy gap {100 * gap:+.2f} pp, "
+                   f"{fewer:.1f}x fewer bytes)")
+    sec = [by[k] for k in ("secure-random1", "secure-aggtopk1") if k in by]
+    for t in sec:
+        if t.status != "ok":
+            out.append(f"{t.variant.label} <= 0.02x dense bytes: {t.status}")
+        elif dense and dense.up_per_site:
+            r = statistics.median(t.up_per_site) / statistics.median(dense.up_per_site)
+            out.append(f"{t.variant.label} <= 0.02x dense bytes: {'MET' if r <= 0.02 else 'NOT MET'}"
+                       f" ({r:.4f}x)")
+    return out
+
+
+def plot(tracks: list[Track], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=90)
+    for t in tracks:
+        if t.status != "ok" or not t.up_per_site:
+            continue
+        cum = np.concatenate([[0.0], np.cumsum(t.up_per_site)]) / 1e6
+        ax.plot(np.maximum(cum, 1e-3), t.acc, marker=".", markersize=3, linewidth=1.2,
+                label=t.variant.label)
+    ax.set_xscale("log")
+    ax.set_xlabel("cumulative upward MB per site (log scale)")
+    ax.set_ylabel("test accuracy")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    plt.close(fig)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sites", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--alpha", type=float, default=0.3)
+    p.add_argument("--max-train", type=int, default=12000)
+    p.add_argument("--model", default="mlp")
+    p.add_argument("--local-epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--momentum", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--variants", default="", help="comma-separated keys (default: all)")
+    p.add_argument("--plot", default=str(ROOT / "docs/img/compression_accuracy_vs_bytes.png"))
+    p.add_argument("--json", default="", help="also write the raw per-round results here")
+    a = p.parse_args()
+    os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
+    logging.getLogger("flwr").setLevel(logging.ERROR)
+    logging.getLogger("strategies").setLevel(logging.ERROR)
+    tracks, meta = run(a)
+    title = (f"Fashion-MNIST {a.model}, {a.sites} sites, Dirichlet {a.alpha}, {a.rounds} rounds, "
+             f"{a.local_epochs} local epoch(s), seed {a.seed}")
+    print()
+    print(f"{title}; {meta['params']:,} parameters; initial accuracy {meta['initial_accuracy']:.4f}; "
+          f"wall {meta['wall_seconds']:.0f} s")
+    print()
+    print(table(tracks, meta))
+    print()
+    for line in targets(tracks):
+        print("- " + line)
+    for t in tracks:
+        if t.first_rejection:
+            print(f"- {t.variant.label}: first rejected update: {t.first_rejection}")
+    if a.plot:
+        plot(tracks, Path(a.plot), title)
+        print(f"\nplot: {a.plot}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({
+            "meta": meta, "variants": [{"key": t.variant.key, "label": t.variant.label,
+                                        "status": t.status, "accuracy": t.acc,
+                                        "up_per_site": t.up_per_site,
+                                        "down_per_site": t.down_per_site, "seconds": t.seconds,
+                                        "rejected": t.rejected} for t in tracks]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
