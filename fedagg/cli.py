@@ -7,6 +7,9 @@
     Print the effective configuration as TOML, or just validate it.
 ``fedagg config reference``
     Print the configuration reference (docs/configuration.md).
+``fedagg certs --out DIR --san HOST [--san HOST ...] --sites a,b,c [--force]``
+    Create a deployment's CA, SuperLink TLS certificate and per-site SuperNode
+    authentication keys (see docs/deployment.md).
 ``fedagg bench allreduce [...]``
     The intra-site all-reduce benchmark (see docs/benchmarks.md).
 
@@ -164,6 +167,33 @@ def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     return 2
 
 
+def _cmd_certs(args: argparse.Namespace) -> int:
+    from fedagg.certs import create_certs
+
+    sans = [s for group in args.san for s in group.split(",") if s.strip()]
+    try:
+        files = create_certs(args.out, sans, args.sites, force=args.force,
+                             ca_days=args.ca_days, server_days=args.server_days)
+    except OSError as exc:
+        from fedagg.errors import ConfigError, explain
+
+        raise ConfigError(explain("out", args.out, f"cannot be written ({exc.strerror})",
+                                  "choose a directory you can write to")) from None
+    out = files.out
+    print(f"wrote certificates and keys under {out} (private keys 0600, directories 0700)")
+    print(f"  CA certificate (give to every site and flwr user): {files.ca_cert}")
+    print(f"  CA private key (keep offline):                      {files.ca_key}")
+    print(f"  SuperLink (SANs {', '.join(files.sans)}): {files.server_cert.parent}/"
+          "{server.crt,server.key,ca.crt}")
+    for site in files.site_keys:
+        print(f"  site {site}: {files.site_keys[site].parent}/{{auth.key,auth.pub,ca.crt}}")
+    print("next: start flower-superlink with --ssl-certfile/--ssl-keyfile/--ssl-ca-certfile and "
+          "--enable-supernode-auth, then register each site:")
+    for site, pub in files.site_public_keys.items():
+        print(f"  flwr supernode register {pub} <connection> --name {site}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``fedagg`` command."""
     parser = argparse.ArgumentParser(prog="fedagg", description="Federated aggregation on Flower.")
@@ -179,6 +209,18 @@ def build_parser() -> argparse.ArgumentParser:
     cfg = sub.add_parser("config", help="show or validate a configuration")
     cfg.add_argument("action", choices=["show", "validate", "reference"])
     _add_config_args(cfg)
+    certs = sub.add_parser("certs", help="create CA, SuperLink certificate and site keys "
+                           "for a deployment")
+    certs.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    certs.add_argument("--san", action="append", required=True, metavar="HOST",
+                       help="host name or IP address of the SuperLink (repeatable, or "
+                       "comma-separated)")
+    certs.add_argument("--sites", required=True, metavar="A,B,...",
+                       help="comma-separated site names; one auth key pair each")
+    certs.add_argument("--force", action="store_true", help="overwrite existing files")
+    certs.add_argument("--ca-days", type=int, default=3650, help="CA validity in days")
+    certs.add_argument("--server-days", type=int, default=825,
+                       help="SuperLink certificate validity in days")
     bench = sub.add_parser("bench", help="run a benchmark (extra arguments are passed on)")
     bench.add_argument("what", choices=["allreduce"])
     return parser
@@ -195,6 +237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_config(args)
         if args.command == "simulate":
             return _cmd_simulate(args)
+        if args.command == "certs":
+            return _cmd_certs(args)
         return _cmd_bench(args, rest)
     except FedaggError as exc:
         print(f"fedagg: error: {exc}", file=sys.stderr)
