@@ -158,3 +158,17 @@ def test_real_client_app_replies_compressed() -> None:
     assert 0 < changed <= 2 * int(0.1 * total) + 2 * len(g)  # at most both sites' top-10 %
     assert metrics is not None and "train-loss" in metrics
     assert isinstance(MetricRecord, type)
+
+
+def test_state_namespaces_keep_strategies_apart() -> None:
+    """Two strategies driving the same site keep separate residuals (benchmark use)."""
+    ctx = site_context(4)
+    a = CompressedFedAvg(up="topk:0.1+ef", state_namespace=".a")
+    b = CompressedFedAvg(up="topk:0.1+ef", state_namespace=".b")
+    da = [np.full(sh, 1.0, np.float32) for sh in SHAPES]
+    db = [np.full(sh, -2.0, np.float32) for sh in SHAPES]
+    compression_mod(send(a, model(), 1, [4])[4], ctx, handler_adding(da))
+    compression_mod(send(b, model(), 1, [4])[4], ctx, handler_adding(db))
+    ra, rb = ef_residual(ctx, ".a"), ef_residual(ctx, ".b")
+    assert float(ra[0].max()) == 1.0 and float(rb[0].min()) == -2.0
+    assert "fedagg.ef" not in ctx.state.array_records
