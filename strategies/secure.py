@@ -79,13 +79,15 @@ def flatten_arrays(arrays: Sequence[np.ndarray]) -> np.ndarray:
 
 def unflatten_like(flat: np.ndarray, like: Sequence[np.ndarray]) -> list[np.ndarray]:
     """Split ``flat`` into arrays of the shapes of ``like`` (float64)."""
+    total = sum(int(np.asarray(a).size) for a in like)
+    if flat.size != total:
+        raise ProtocolError(explain("aggregate size", flat.size, f"must be {total}",
+                                    "send updates of the global model's size"))
     out, pos = [], 0
     for a in like:
         n = int(np.asarray(a).size)
         out.append(np.asarray(flat[pos:pos + n], np.float64).reshape(np.shape(a)))
         pos += n
-    if pos != flat.size:
-        raise ProtocolError(explain("aggregate size", flat.size, f"must be {pos}", "-"))
     return out
 
 
@@ -122,6 +124,7 @@ class _Exchange:
     bytes_up: int = 0
     exchanges: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
+    up: dict[str, int] = field(default_factory=dict)  # bytes up per phase
     failed: dict[int, str] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)
 
@@ -254,7 +257,9 @@ class SecureAggregation(FedaggStrategy):
             if r.has_error():
                 self._fail(ex, r.metadata.src_node_id, f"{phase}: {r.error.reason}")
             else:
-                ex.bytes_up += message_nbytes(r)
+                size = message_nbytes(r)
+                ex.bytes_up += size
+                ex.up[phase] = ex.up.get(phase, 0) + size
                 ok.append(r)
         return ok
 
@@ -329,7 +334,8 @@ class SecureAggregation(FedaggStrategy):
                 _log.warning("round %d: secure aggregation aborted, global model unchanged: %s",
                              server_round, reason)
             self.history.append({"round": server_round, "aborted": new is None, "reason": reason,
-                                 "failed": dict(ex.failed), "exchanges": ex.exchanges})
+                                 "failed": dict(ex.failed), "exchanges": ex.exchanges,
+                                 "bytes_up": dict(ex.up)})
             return RoundResult(arrays=new, metrics=metrics, bytes_down=ex.bytes_down,
                                bytes_up=ex.bytes_up, exchanges=ex.exchanges, sampled=len(nodes),
                                replies=replies, failures=len(ex.failed), rejected=ex.rejected,
