@@ -64,7 +64,7 @@ def _bound(result: RoundResult) -> float:
 def test_dropout_before_upload_matches_plain_fedavg_of_survivors(how: str) -> None:
     faults = ["faults.crash_site=2", "faults.crash_round=2"]
     cfg_sec = _cfg("strategy.name=secure",
-                   *(faults + ["faults.crash_stage=upload"] if how != "no-reply" else []))
+                   *([*faults, "faults.crash_stage=upload"] if how != "no-reply" else []))
     cfg_avg = _cfg("strategy.name=fedavg", *faults, "faults.crash_stage=train")
     secure, plain = build_strategy(cfg_sec), build_strategy(cfg_avg)
     assert isinstance(secure, SecureAggregation)
