@@ -66,6 +66,8 @@ VARIANTS = [
     Variant("aggtopk1-ef", "top-k of previous aggregate 1 % + EF (plaintext)",
             ["strategy.name=compressed", "compression.up=topk:0.01+ef",
              "compression.support=topk-aggregate"]),
+    Variant("aggtopk1-r50-ef", "top-k of previous aggregate 1 %, half random + EF (plaintext)",
+            ["strategy.name=compressed", "compression.up=aggtopk:0.01,random=0.5+ef"]),
     Variant("secure-dense", "secure dense", ["strategy.name=secure"], secure=True),
     Variant("secure-random1", "secure sparse, random support 1 % + EF",
             ["strategy.name=secure", "compression.up=topk:0.01+ef", "compression.support=random"],
@@ -160,6 +162,7 @@ class Track:
 
 def run(args: argparse.Namespace) -> tuple[list[Track], dict[str, Any]]:
     import torch
+    from flwr.supercore.task_identity import TaskIdentity
 
     from clients.app import app as client_app
     from fedagg.config import load_config
@@ -170,8 +173,6 @@ def run(args: argparse.Namespace) -> tuple[list[Track], dict[str, Any]]:
     from strategies._records import arrays_to_record, record_to_arrays
     from strategies.base import run_train_round
     from strategies.registry import build_strategy
-
-    from flwr.supercore.task_identity import TaskIdentity
 
     # Flower sets these when it starts a ServerApp / ClientApp; in process we set them once
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
@@ -208,7 +209,8 @@ def run(args: argparse.Namespace) -> tuple[list[Track], dict[str, Any]]:
             t.cfg = load_config(None, [*common, *v.overrides])
             t.strategy = build_strategy(t.cfg)
         except Exception as exc:  # e.g. the secure strategy exists but rejects this config
-            t.status = f"failed to build: {type(exc).__name__}: {exc}"[:300]
+            prefix = "pending: secure strategy" if v.secure else "failed to build"
+            t.status = f"{prefix} ({type(exc).__name__}: {exc})"[:300]
             continue
         t.grid = InProcessGrid(client_app, node_ids, args.sites)
         t.arrays = arrays_to_record(init, keys)
