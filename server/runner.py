@@ -9,7 +9,10 @@ per-round record is appended to ``metrics.json`` / ``metrics.csv``.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +41,21 @@ _log = logging.getLogger(__name__)
 RoundCallback = Callable[[dict[str, Any]], None]
 
 _CLIENT_SECTIONS = ("data", "model", "train", "site", "compression", "secagg", "faults")
+
+
+def _test_kill_point(rnd: int, phase: str) -> None:
+    """Test hook: SIGKILL this process at ``$FEDAGG_TEST_KILL_AT`` (``"<round>:<phase>"``)."""
+    if os.environ.get("FEDAGG_TEST_KILL_AT") == f"{rnd}:{phase}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def model_digest(arrays: ArrayRecord) -> str:
+    """First 16 hex digits of SHA-256 over the global model's bytes (identity per round)."""
+    h = hashlib.sha256()
+    for key, arr in zip(*record_to_arrays(arrays), strict=True):
+        h.update(key.encode())
+        h.update(np.ascontiguousarray(arr).tobytes())
+    return h.hexdigest()[:16]
 
 
 def client_config(cfg: RunConfig) -> ConfigRecord:
@@ -144,10 +162,16 @@ def run_server(
         result = run_train_round(
             strategy, grid, rnd, arrays, client_config(cfg), cfg.run.round_timeout
         )
+        _test_kill_point(rnd, "after-train")
         if result.arrays is not None:
             arrays = result.arrays
         t1 = time.perf_counter()
-        rec: dict[str, Any] = {"round": rnd, "accuracy": None, "loss": None}
+        rec: dict[str, Any] = {
+            "round": rnd,
+            "accuracy": None,
+            "loss": None,
+            "model_digest": model_digest(arrays),
+        }
         if rnd % cfg.run.evaluate_every == 0 or rnd == cfg.run.rounds:
             loss, acc = central_eval(arrays)
             rec.update(accuracy=acc, loss=loss)
@@ -166,8 +190,13 @@ def run_server(
         )
         if result.metrics is not None:
             rec["train_loss"] = result.metrics.get("train-loss")
-            rec.update({k.replace("-", "_"): v for k, v in result.metrics.items()
-                        if k.startswith("secagg-")})  # secure aggregation: counted, dropped, error bound
+            rec.update(
+                {
+                    k.replace("-", "_"): v
+                    for k, v in result.metrics.items()
+                    if k.startswith("secagg-")
+                }
+            )  # secure aggregation: counted, dropped, error bound
         for phase, sec in result.seconds.items():
             rec[f"seconds_{phase}"] = sec
         if result.rejected:
