@@ -85,6 +85,12 @@ class RunSection(_Section):
     checkpoint: bool = Field(
         True, description="Write run_dir/checkpoint.npz atomically after every round."
     )
+    first_round_timeout: float | None = Field(
+        None,
+        gt=0,
+        description="Deadline of round 1 (cold start: process start-up, data loading); "
+        "None = run.round_timeout.",
+    )
     retries: int = Field(
         0, ge=0, le=10,
         description="Re-send a round's message to a site whose reply was a transient error, "

@@ -49,6 +49,13 @@ def _test_kill_point(rnd: int, phase: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def round_deadline(cfg: RunConfig, rnd: int) -> float:
+    """Seconds a round's exchange may take (round 1 may have a longer cold-start deadline)."""
+    if rnd == 1 and cfg.run.first_round_timeout is not None:
+        return cfg.run.first_round_timeout
+    return cfg.run.round_timeout
+
+
 def model_digest(arrays: ArrayRecord) -> str:
     """First 16 hex digits of SHA-256 over the global model's bytes (identity per round)."""
     h = hashlib.sha256()
@@ -160,7 +167,7 @@ def run_server(
     for rnd in range(start, cfg.run.rounds + 1):
         t0 = time.perf_counter()
         result = run_train_round(
-            strategy, grid, rnd, arrays, client_config(cfg), cfg.run.round_timeout
+            strategy, grid, rnd, arrays, client_config(cfg), round_deadline(cfg, rnd)
         )
         _test_kill_point(rnd, "after-train")
         if result.arrays is not None:
@@ -199,6 +206,9 @@ def run_server(
             )  # secure aggregation: counted, dropped, error bound
         for phase, sec in result.seconds.items():
             rec[f"seconds_{phase}"] = sec
+        accepted = getattr(strategy, "last_accepted", None)
+        if accepted is not None:
+            rec["sites"] = list(accepted)
         if result.rejected:
             rec["rejected"] = result.rejected
         records.append(rec)

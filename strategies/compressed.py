@@ -180,7 +180,8 @@ class CompressedFedAvg(FedAvg):
         if self.spec == "none":  # downward-only compression: dense replies
             arrays, weight, metrics = validate_reply(reply, keys, reference,
                                                      weight_key=self.weighted_by_key,
-                                                     max_norm=self.max_update_norm)
+                                                     max_norm=self.max_update_norm,
+                                                     server_round=self._sent_round)
             return [a - r for a, r in zip(arrays, reference, strict=True)], weight, metrics
         if reply.has_error():
             raise UpdateRejected(f"{site} replied with an error: {reply.error.reason}")
@@ -192,6 +193,11 @@ class CompressedFedAvg(FedAvg):
                                          "add clients.mods.compression_mod to the ClientApp's "
                                          "mods (clients.app.MODS)"))
         mrecs = list(content.metric_records.values())
+        echoed = mrecs[0].get("server-round") if len(mrecs) == 1 else None
+        if echoed is not None and echoed != self._sent_round:
+            raise UpdateRejected(explain(f"{site}.metrics.server-round", echoed,
+                                         f"must be the current round {self._sent_round}",
+                                         "stale reply from an earlier round: it is never aggregated"))
         weight = mrecs[0].get(self.weighted_by_key) if len(mrecs) == 1 else None
         if not (isinstance(weight, int | float) and not isinstance(weight, bool)
                 and math.isfinite(weight) and weight > 0):
@@ -247,11 +253,12 @@ class CompressedFedAvg(FedAvg):
                 _log.warning("round %d: rejected update: %s", server_round, exc)
                 continue
             good.append((delta, weight, metrics, reply))
+        good.sort(key=lambda g: (g[2].get("partition-id", -1), g[3].metadata.src_node_id))
+        self.last_accepted = [int(g[2].get("partition-id", -1)) for g in good]  # type: ignore[call-overload]
         if len(good) < self.min_sites:
             _log.warning("round %d: %d valid updates < min_sites=%d; global model unchanged",
                          server_round, len(good), self.min_sites)
             return None, None
-        good.sort(key=lambda g: (g[2].get("partition-id", -1), g[3].metadata.src_node_id))
         keys, current = self._global
         mean = weighted_mean([g[0] for g in good], [g[1] for g in good])
         new = self.optimizer.step(current, mean)

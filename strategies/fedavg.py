@@ -109,6 +109,7 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
         self.optimizer = ServerOptimizer(server_optimizer, lr=server_lr, beta1=server_momentum)
         self.last_rejected: dict[str, str] = {}
         self.retries = 0
+        self.last_accepted: list[int] = []
         self._global: tuple[list[str], list[np.ndarray]] | None = None
 
     @classmethod
@@ -179,6 +180,7 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
                 continue
             good.append((arrays, weight, metrics, reply))
         good.sort(key=lambda g: (g[2].get("partition-id", -1), g[3].metadata.src_node_id))
+        self.last_accepted = [int(g[2].get("partition-id", -1)) for g in good]  # type: ignore[call-overload]
         return good
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
