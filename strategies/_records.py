@@ -7,14 +7,17 @@ tree of content-addressed objects (records, arrays, 5 MiB array chunks), each se
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+from numpy.lib import format as npformat
 
 from fedagg.config import flatten, unflatten
+from fedagg.errors import UpdateRejected, explain
 
 __all__ = [
     "arrays_to_record",
@@ -23,6 +26,7 @@ __all__ = [
     "record_to_arrays",
     "record_to_config",
     "reply_metrics",
+    "safe_numpy",
 ]
 
 
@@ -37,10 +41,56 @@ def arrays_to_record(arrays: Sequence[np.ndarray], keys: Sequence[str] | None = 
     return ArrayRecord({k: Array(np.ascontiguousarray(a)) for k, a in zip(names, arrays, strict=True)})
 
 
+def safe_numpy(array: Array, *, name: str = "array", max_elements: int = 2**31) -> np.ndarray:
+    """Decode a Flower ``Array`` (npy bytes) after checking its header against its length.
+
+    ``Array.numpy()`` trusts the npy header and allocates what it claims before reading, so a
+    hostile reply could ask for terabytes; this validates the header (numeric dtype, shape,
+    byte count equal to the data actually present) before allocating anything.
+
+    Raises
+    ------
+    UpdateRejected
+        Not numpy-serialized, bad header, object / structured dtype, or a length mismatch.
+    """
+    if array.stype != "numpy.ndarray":
+        raise UpdateRejected(explain(name, array.stype, "must be numpy-serialized",
+                                     "send numpy arrays in the ArrayRecord"))
+    data = array.data
+    buf = io.BytesIO(data)
+    try:
+        version = npformat.read_magic(buf)
+        if version == (1, 0):
+            shape, fortran, dtype = npformat.read_array_header_1_0(buf)
+        elif version == (2, 0):
+            shape, fortran, dtype = npformat.read_array_header_2_0(buf)
+        else:
+            raise ValueError(f"unsupported npy version {version}")
+    except (ValueError, OSError, SyntaxError, TypeError) as exc:
+        raise UpdateRejected(explain(name, f"{len(data)} bytes", f"is not a valid npy array ({exc})",
+                                     "send arrays serialized by Flower's ArrayRecord")) from None
+    if dtype.kind not in "biuf" or dtype.hasobject or dtype.fields is not None:
+        raise UpdateRejected(explain(f"{name}.dtype", str(dtype), "must be a plain numeric dtype",
+                                     "send float or integer arrays"))
+    count = 1
+    for dim in shape:
+        count *= int(dim)
+    if count > max_elements:
+        raise UpdateRejected(explain(f"{name}.shape", tuple(shape), f"claims more than {max_elements} elements",
+                                     "send arrays of the model's shapes"))
+    body = len(data) - buf.tell()
+    if body != count * dtype.itemsize:
+        raise UpdateRejected(explain(name, f"{body} data bytes", f"header says {count * dtype.itemsize}",
+                                     "the array is truncated or padded; resend it"))
+    flat = np.frombuffer(data, dtype=dtype, count=count, offset=buf.tell())
+    out = flat.reshape(shape, order="F" if fortran else "C")
+    return np.array(out, copy=True)
+
+
 def record_to_arrays(record: ArrayRecord) -> tuple[list[str], list[np.ndarray]]:
-    """ArrayRecord -> (keys, numpy arrays) in record order."""
+    """ArrayRecord -> (keys, numpy arrays) in record order (headers checked before allocation)."""
     keys = list(record.keys())
-    return keys, [record[k].numpy() for k in keys]
+    return keys, [safe_numpy(record[k], name=f"arrays[{k!r}]") for k in keys]
 
 
 def config_to_record(nested: Mapping[str, Any], **extra: Any) -> ConfigRecord:
