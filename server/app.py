@@ -1,5 +1,7 @@
 """The fedagg ServerApp (``server.app:app``), used by ``flwr run .`` and in deployment.
 
+
+
 The run configuration comes from Flower's run config (``[tool.flwr.app.config]`` in
 ``pyproject.toml`` and ``flwr run --run-config``), whose dotted keys (``"train.lr"``) map onto
 :class:`fedagg.config.RunConfig`. Outputs go to ``run.output_dir/<name>-<timestamp>/``.
@@ -51,7 +53,12 @@ def make_app(cfg: RunConfig | None = None, run_dir: str | Path | None = None, *,
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
         run_cfg = cfg if cfg is not None else config_from_run_config(context.run_config)
-        out = run_dir if run_dir is not None else new_run_dir(run_cfg)
+        if run_dir is not None:
+            out: str | Path = run_dir
+        elif run_cfg.run.resume:
+            out = Path(run_cfg.run.resume)  # continue in the run's own directory
+        else:
+            out = new_run_dir(run_cfg)
         _log.info("fedagg run writing to %s", out)
         run_server(grid, run_cfg, out, on_round=on_round)
 
