@@ -1,10 +1,10 @@
 """The fedagg ServerApp (``server.app:app``), used by ``flwr run .`` and in deployment.
 
-
-
 The run configuration comes from Flower's run config (``[tool.flwr.app.config]`` in
 ``pyproject.toml`` and ``flwr run --run-config``), whose dotted keys (``"train.lr"``) map onto
-:class:`fedagg.config.RunConfig`. Outputs go to ``run.output_dir/<name>-<timestamp>/``.
+:class:`fedagg.config.RunConfig`. Outputs go to ``run.output_dir/<name>-<timestamp>/``; with
+``run.resume`` set, the run continues in that directory from its checkpoint
+(docs/reliability.md).
 """
 
 from __future__ import annotations
