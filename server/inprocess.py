@@ -6,7 +6,9 @@ Flower's simulation backend does per message (``flwr.server.superlink.fleet.vce`
 the node's :class:`~flwr.app.Context`, call the ClientApp, keep the updated context only when
 the app returned, and turn an exception into an error reply (``ErrorCode`` 2 for an exception
 raised inside the ClientApp). With ``wire=True`` every message and reply goes through Flower's
-serialisation (the content-addressed objects of :func:`message_nbytes`) and back.
+serialisation (the content-addressed objects of :func:`message_nbytes`) and back; with
+``wire=False`` each node gets a deep copy of the message instead (no serialisation cost, but
+still no shared mutable records between nodes, which Flower's secaggplus_mod relies on).
 
 Messages are processed one after another, so the measured times are sums of compute.
 ``drop`` makes nodes vanish (no reply at all, as a node that is unreachable or too late).
@@ -20,7 +22,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 
-from flwr.app import Context, Error, Message, RecordDict
+from flwr.app import ArrayRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
@@ -108,7 +110,7 @@ class InProcessGrid(Grid):
         """Run each message on its node now; replies wait for :meth:`pull_messages`."""
         ids = []
         for msg in messages:
-            msg.metadata.__dict__["_message_id"] = msg.object_id
+            msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
             msg.metadata.__dict__["_run_id"] = self._run_id
             msg.metadata.__dict__["_src_node_id"] = 1
             ids.append(msg.metadata.message_id)
@@ -134,6 +136,8 @@ class InProcessGrid(Grid):
         if self.wire:
             msg, size = wire_roundtrip(msg)
             self.bytes_down += size
+        else:  # isolate the node from the server's objects without serialising
+            msg = Message(content=_isolate(msg.content), metadata=copy.copy(msg.metadata))
         context = copy.deepcopy(self.contexts[node])
         t0 = time.perf_counter()
         try:
@@ -148,6 +152,17 @@ class InProcessGrid(Grid):
             reply, size = wire_roundtrip(reply)
             self.bytes_up += size
         return reply
+
+
+def _isolate(content: RecordDict) -> RecordDict:
+    """New record objects (config and metric values copied; Array objects shared, read-only)."""
+    out = RecordDict()
+    for key, rec in content.items():
+        if isinstance(rec, ArrayRecord):
+            out[key] = ArrayRecord(dict(rec.items()))
+        else:
+            out[key] = type(rec)(copy.deepcopy(dict(rec)))
+    return out
 
 
 def partition_of(grid: InProcessGrid, node_id: int) -> int:

@@ -1,0 +1,343 @@
+"""Secure aggregation benchmark: Flower's SecAgg+ vs fedagg secure vs plain FedAvg, side by side.
+
+    python benchmarks/secagg.py [--sites 10 50] [--dims 100000 1000000] [--rounds 3]
+
+What runs (all three in this process, one after another, interleaved per configuration):
+
+* **Flower SecAgg+**: ``flwr.server.workflow.SecAggPlusWorkflow`` (legacy API: ``LegacyContext``
+  with ``flwr.server.strategy.FedAvg`` and a ``SimpleClientManager`` of ``GridClientProxy``
+  nodes) and a legacy ``ClientApp(client_fn=..., mods=[secaggplus_mod])``; its four stages per
+  round, unmodified. ``num_shares = k + 1`` and ``reconstruction_threshold = t`` with the same
+  ``k`` (neighbours) and ``t`` as fedagg.
+* **fedagg secure**: ``strategies.secure.SecureAggregation`` (inner fedagg FedAvg) and a
+  ClientApp with ``clients.secure.secure_mod`` and its query handlers.
+* **plain FedAvg**: fedagg's FedAvg, one exchange.
+
+Every site's "training" returns ``global + delta`` with a fixed synthetic ``delta`` of D float32
+values (normal, sd 0.01) and 100 examples, so the measured time is the protocol, not SGD.
+Messages travel through :class:`server.inprocess.InProcessGrid`: real Flower ``Message``
+objects, the real ClientApp/mod code and ``Context.state``, each message and reply serialised
+and inflated as Flower ships it (that wire time is excluded from both compute figures; the
+bytes are what it measured). Nothing runs in parallel; the figures are compute:
+
+* ``server s``: wall time of the round minus the time spent in ``grid.send_and_receive`` and
+  in fedagg's byte counting (``message_nbytes``, an extra serialisation Flower does not do);
+* ``site s``: per site, the sum over its ClientApp calls in the round (median over sites);
+* ``round s``: ``server s + site s`` (sites run in parallel in a real federation);
+* ``exchanges``: server -> sites -> server trips in the round;
+* ``up/site``: serialised bytes of one site's replies in the round, relative to 4·D (fp32).
+
+Medians over ``--rounds`` steady-state rounds (``--big-rounds`` when N·D >= 5·10^7; fedagg
+secure: after its key-setup round, which is reported separately; Flower's SecAgg+ runs its
+setup in every round). Only the first measured round of each protocol goes through the wire
+round trip (that is where the bytes come from); the others skip it to keep the run short.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from clients.secure import register, secure_mod
+from fedagg.config import RunConfig, load_config
+from server.inprocess import InProcessGrid
+from server.runner import client_config
+from strategies._records import arrays_to_record, record_to_arrays
+from strategies.base import default_train_round
+from strategies.fedavg import FedAvg
+from strategies.secure import SecureAggregation
+
+_log = logging.getLogger(__name__)
+
+EXAMPLES = 100
+
+
+def _delta(partition: int, dim: int) -> np.ndarray:
+    return (np.random.default_rng(partition).standard_normal(dim) * 0.01).astype(np.float32)
+
+
+class _Deltas:
+    """Synthetic site updates, generated once per (partition, dim)."""
+
+    def __init__(self) -> None:
+        self.cache: dict[tuple[int, int], np.ndarray] = {}
+
+    def __call__(self, partition: int, dim: int) -> np.ndarray:
+        key = (partition, dim)
+        if key not in self.cache:
+            self.cache[key] = _delta(partition, dim)
+        return self.cache[key]
+
+
+DELTAS = _Deltas()
+
+
+# -- fedagg ClientApps (message API) ---------------------------------------------------------
+def fedagg_app(secure: bool) -> ClientApp:
+    """ClientApp whose train handler returns ``global + delta`` (optionally with secure_mod)."""
+    app = ClientApp(mods=[secure_mod] if secure else [])
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        keys, (weights,) = record_to_arrays(msg.content.array_records["arrays"])
+        pid = int(context.node_config["partition-id"])
+        new = weights + DELTAS(pid, weights.size)
+        return Message(RecordDict({"arrays": arrays_to_record([new], keys),
+                                   "metrics": MetricRecord({"num-examples": EXAMPLES})}),
+                       reply_to=msg)
+
+    if secure:
+        register(app)
+    return app
+
+
+# -- Flower SecAgg+ (legacy API) ---------------------------------------------------------------
+def flower_app() -> ClientApp:
+    """Legacy ClientApp with Flower's secaggplus_mod; fit returns ``global + delta``."""
+    from flwr.client import NumPyClient
+    from flwr.client.mod import secaggplus_mod
+
+    class SyntheticClient(NumPyClient):  # type: ignore[misc]
+        def __init__(self, pid: int) -> None:
+            self.pid = pid
+
+        def fit(self, parameters: list[np.ndarray], config: dict[str, Any]
+                ) -> tuple[list[np.ndarray], int, dict[str, Any]]:
+            return [parameters[0] + DELTAS(self.pid, parameters[0].size)], EXAMPLES, {}
+
+    def client_fn(context: Context) -> Any:
+        return SyntheticClient(int(context.node_config["partition-id"])).to_client()
+
+    return ClientApp(client_fn=client_fn, mods=[secaggplus_mod])
+
+
+class FlowerSecAggPlus:
+    """Drives SecAggPlusWorkflow round by round, as DefaultWorkflow does."""
+
+    def __init__(self, grid: InProcessGrid, dim: int, num_shares: int, threshold: int) -> None:
+        from flwr.common import ndarrays_to_parameters
+        from flwr.server import LegacyContext, ServerConfig
+        from flwr.server.client_manager import SimpleClientManager
+        from flwr.server.compat.grid_client_proxy import GridClientProxy
+        from flwr.server.compat.legacy_context import LegacyContext as _LC  # noqa: F401
+        from flwr.server.strategy import FedAvg as LegacyFedAvg
+        from flwr.server.workflow import SecAggPlusWorkflow
+        from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
+
+        self.grid, self.dim = grid, dim
+        strategy = LegacyFedAvg(fraction_fit=1.0, fraction_evaluate=0.0,
+                                min_fit_clients=len(grid.node_ids),
+                                min_available_clients=len(grid.node_ids),
+                                initial_parameters=ndarrays_to_parameters([np.zeros(dim, np.float32)]))
+        manager = SimpleClientManager()
+        for nid in grid.node_ids:
+            manager.register(GridClientProxy(nid, grid, 1))
+        base = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
+        self.context = LegacyContext(base, config=ServerConfig(num_rounds=10**6),
+                                     strategy=strategy, client_manager=manager)
+        self.context.state[MAIN_PARAMS_RECORD] = ArrayRecord([np.zeros(dim, np.float32)])
+        self.context.state[MAIN_CONFIGS_RECORD] = ConfigRecord({"current_round": 0})
+        self._keys = (MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD)
+        self.workflow = SecAggPlusWorkflow(num_shares=num_shares,
+                                           reconstruction_threshold=threshold, max_weight=1000.0)
+
+    def round(self, rnd: int) -> np.ndarray:
+        cfg_key, params_key = self._keys
+        self.context.state.config_records[cfg_key]["current_round"] = rnd
+        self.context.state[params_key] = ArrayRecord([np.zeros(self.dim, np.float32)])
+        self.workflow(self.grid, self.context)
+        return self.context.state.array_records[params_key].to_numpy_ndarrays()[0]
+
+
+# -- measurement -----------------------------------------------------------------------------
+class Timed:
+    """Wraps a grid's send_and_receive to split server time from message time.
+
+    The fedagg strategies also serialise every message once more to count its bytes
+    (``message_nbytes``); that bookkeeping is timed here and excluded as well, since Flower's
+    workflow does not do it.
+    """
+
+    def __init__(self, grid: InProcessGrid) -> None:
+        self.grid = grid
+        self.in_grid = 0.0
+        inner = grid.send_and_receive
+
+        def send_and_receive(messages: Any, *, timeout: float | None = None) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return inner(messages, timeout=timeout)
+            finally:
+                self.in_grid += time.perf_counter() - t0
+
+        grid.send_and_receive = send_and_receive  # type: ignore[method-assign]
+        import strategies.base
+        import strategies.secure
+
+        for module in (strategies.base, strategies.secure):
+            original = getattr(module, "_bench_original_nbytes", module.message_nbytes)
+            module._bench_original_nbytes = original  # type: ignore[attr-defined]
+
+            def counted(message: Message, _f: Any = original) -> int:
+                t0 = time.perf_counter()
+                try:
+                    return int(_f(message))
+                finally:
+                    self.in_grid += time.perf_counter() - t0
+
+            module.message_nbytes = counted  # type: ignore[attr-defined]
+
+    def measure(self, fn: Callable[[], Any], *, wire: bool) -> dict[str, float]:
+        g = self.grid
+        g.wire = wire
+        self.in_grid, g.client_seconds, g.bytes_up = 0.0, [], 0
+        t0 = time.perf_counter()
+        fn()
+        wall = time.perf_counter() - t0
+        per_site: dict[int, float] = {}
+        kinds: set[str] = set()
+        for node, kind, sec in g.client_seconds:
+            per_site[node] = per_site.get(node, 0.0) + sec
+            kinds.add(kind)
+        trips = len(g.client_seconds) / max(len(per_site), 1)
+        site = statistics.median(per_site.values()) if per_site else 0.0
+        server = wall - self.in_grid
+        up = g.bytes_up / max(len(per_site), 1) if wire else float("nan")
+        return {"server": server, "site": site, "round": server + site, "up_site": up,
+                "exchanges": round(trips)}
+
+
+def _cfg(n: int) -> RunConfig:
+    return load_config(None, ["strategy.name=secure", f"run.sites={n}",
+                              "secagg.weight_scale=1000", "secagg.clip=1.0"])
+
+
+def bench(n: int, dim: int, rounds: int, *, flower: bool = True) -> dict[str, Any]:
+    """Measure the three protocols for ``n`` sites and ``dim`` values."""
+    out: dict[str, Any] = {}
+    cfg = _cfg(n)
+    expect = np.mean([DELTAS(i, dim).astype(np.float64) for i in range(n)], axis=0)
+
+    # plain FedAvg
+    grid = InProcessGrid(fedagg_app(False), n, seed=n)
+    timed = Timed(grid)
+    plain = FedAvg()
+    arrays = arrays_to_record([np.zeros(dim, np.float32)])
+    runs = []
+    for rnd in range(1, rounds + 1):
+        res: dict[str, Any] = {}
+        runs.append(timed.measure(lambda r=rnd, box=res: box.update(
+            r=default_train_round(plain, grid, r, arrays, ConfigRecord(), 600.0)), wire=rnd == 1))
+        runs[-1]["exchanges"] = res["r"].exchanges
+    out["fedavg"] = runs
+
+    # fedagg secure
+    grid = InProcessGrid(fedagg_app(True), n, seed=n)
+    timed = Timed(grid)
+    secure = SecureAggregation(FedAvg(), secagg=cfg.secagg)
+    conf = client_config(cfg)
+    runs = []
+    for rnd in range(1, rounds + 2):
+        res = {}
+        runs.append(timed.measure(lambda r=rnd, box=res: box.update(
+            r=secure.train_round(grid, r, arrays, conf, 600.0)), wire=rnd <= 2))
+        runs[-1]["exchanges"] = res["r"].exchanges
+        got = record_to_arrays(res["r"].arrays)[1][0]
+        err = float(np.abs(got - expect).max())
+        assert err < 1e-4, f"fedagg secure result off by {err}"
+    out["secure_setup"] = runs[0]
+    out["secure"] = runs[1:]
+    assert secure.params is not None
+    k, t = secure.params.neighbours_for(n), secure.params.threshold
+    out["k"], out["t"] = k, t
+
+    if flower:
+        grid = InProcessGrid(flower_app(), n, seed=n)
+        timed = Timed(grid)
+        fl = FlowerSecAggPlus(grid, dim, num_shares=k + 1 if k + 1 < n else n, threshold=t)
+        runs = []
+        for rnd in range(1, rounds + 1):
+            box: dict[str, Any] = {}
+            runs.append(timed.measure(lambda r=rnd, b=box: b.update(x=fl.round(r)), wire=rnd == 1))
+            err = float(np.abs(box["x"] - expect).max())
+            assert err < 1e-3, f"Flower SecAgg+ result off by {err}"
+        out["flower"] = runs
+    return out
+
+
+def _med(runs: list[dict[str, float]], key: str) -> float:
+    values = [r[key] for r in runs if r[key] == r[key]]  # skip NaN (bytes of non-wire rounds)
+    return statistics.median(values) if values else float("nan")
+
+
+def table(results: dict[tuple[int, int], dict[str, Any]]) -> str:
+    """Markdown table of medians."""
+    lines = ["| N | D | protocol | round s | server s | site s | exchanges | up/site (x fp32) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for (n, dim), res in results.items():
+        for name, label in (("flower", "Flower SecAgg+"), ("secure", "fedagg secure"),
+                            ("secure_setup", "fedagg secure, key-setup round"),
+                            ("fedavg", "plain FedAvg")):
+            if name not in res:
+                continue
+            runs = res[name] if isinstance(res[name], list) else [res[name]]
+            lines.append(
+                f"| {n} | {dim:,} | {label} | {_med(runs, 'round'):.3f} | "
+                f"{_med(runs, 'server'):.3f} | {_med(runs, 'site'):.3f} | "
+                f"{int(_med(runs, 'exchanges'))} | {_med(runs, 'up_site') / (4 * dim):.4f} |")
+    return "\n".join(lines)
+
+
+def ratios(results: dict[tuple[int, int], dict[str, Any]]) -> str:
+    """Speed-up and overhead ratios per configuration."""
+    lines = ["| N | D | k, t | Flower SecAgg+ / fedagg secure (round s) | fedagg secure / "
+             "plain FedAvg (round s) | fedagg secure up/site (x fp32) |", "|---|---|---|---|---|---|"]
+    for (n, dim), res in results.items():
+        sec = _med(res["secure"], "round")
+        fl = f"{_med(res['flower'], 'round') / sec:.1f}x" if "flower" in res else "-"
+        lines.append(f"| {n} | {dim:,} | {res['k']}, {res['t']} | {fl} | "
+                     f"{sec / _med(res['fedavg'], 'round'):.2f}x | "
+                     f"{_med(res['secure'], 'up_site') / (4 * dim):.4f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and print markdown tables."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sites", type=int, nargs="+", default=[10, 50])
+    p.add_argument("--dims", type=int, nargs="+", default=[100_000, 1_000_000])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--big-rounds", type=int, default=1,
+                   help="rounds per protocol when N * D >= 5e7 (Flower SecAgg+ is slow there)")
+    p.add_argument("--no-flower", action="store_true")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    for name in ("flwr", "strategies", "fedagg"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    results: dict[tuple[int, int], dict[str, Any]] = {}
+    t0 = time.perf_counter()
+    for n in args.sites:
+        for dim in args.dims:
+            t1 = time.perf_counter()
+            rounds = args.big_rounds if n * dim >= 50_000_000 else args.rounds
+            results[(n, dim)] = bench(n, dim, rounds, flower=not args.no_flower)
+            print(f"N={n} D={dim}: {rounds} round(s), {time.perf_counter() - t1:.0f} s", flush=True)
+            print(table({(n, dim): results[(n, dim)]}), flush=True)
+    print()
+    print(table(results))
+    print()
+    print(ratios(results))
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
