@@ -41,7 +41,8 @@ def arrays_to_record(arrays: Sequence[np.ndarray], keys: Sequence[str] | None = 
     return ArrayRecord({k: Array(np.ascontiguousarray(a)) for k, a in zip(names, arrays, strict=True)})
 
 
-def safe_numpy(array: Array, *, name: str = "array", max_elements: int = 2**31) -> np.ndarray:
+def safe_numpy(array: Array, *, name: str = "array", max_elements: int = 2**31,
+               copy: bool = True) -> np.ndarray:
     """Decode a Flower ``Array`` (npy bytes) after checking its header against its length.
 
     ``Array.numpy()`` trusts the npy header and allocates what it claims before reading, so a
@@ -84,13 +85,17 @@ def safe_numpy(array: Array, *, name: str = "array", max_elements: int = 2**31) 
                                      "the array is truncated or padded; resend it"))
     flat = np.frombuffer(data, dtype=dtype, count=count, offset=buf.tell())
     out = flat.reshape(shape, order="F" if fortran else "C")
-    return np.array(out, copy=True)
+    return np.array(out, copy=True) if copy else out  # without copy: a read-only view
 
 
-def record_to_arrays(record: ArrayRecord) -> tuple[list[str], list[np.ndarray]]:
-    """ArrayRecord -> (keys, numpy arrays) in record order (headers checked before allocation)."""
+def record_to_arrays(record: ArrayRecord, *, copy: bool = True) -> tuple[list[str], list[np.ndarray]]:
+    """ArrayRecord -> (keys, numpy arrays) in record order (headers checked before allocation).
+
+    With ``copy=False`` the arrays are read-only views on the record's bytes (server-side
+    aggregation reads them once; nothing is copied).
+    """
     keys = list(record.keys())
-    return keys, [safe_numpy(record[k], name=f"arrays[{k!r}]") for k in keys]
+    return keys, [safe_numpy(record[k], name=f"arrays[{k!r}]", copy=copy) for k in keys]
 
 
 def config_to_record(nested: Mapping[str, Any], **extra: Any) -> ConfigRecord:

@@ -61,7 +61,7 @@ def validate_reply(reply: Message, keys: list[str], reference: list[np.ndarray],
         raise UpdateRejected(explain(f"{site}.metrics.{weight_key}", weight, "must be a finite number > 0",
                                      "report the number of examples used for training"))
     try:
-        rkeys, arrays = record_to_arrays(arecs[0])
+        rkeys, arrays = record_to_arrays(arecs[0], copy=False)
     except Exception as exc:  # malformed array bytes
         raise UpdateRejected(f"{site}.arrays could not be decoded: {exc}") from None
     if rkeys != keys:
