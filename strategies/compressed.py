@@ -52,7 +52,7 @@ from strategies._compression import (
     stage_names,
 )
 from strategies._records import arrays_to_record
-from strategies.fedavg import FedAvg, validate_reply
+from strategies.fedavg import FedAvg, partition_of, validate_reply
 
 __all__ = ["CompressedFedAvg"]
 
@@ -254,7 +254,7 @@ class CompressedFedAvg(FedAvg):
                 continue
             good.append((delta, weight, metrics, reply))
         good.sort(key=lambda g: (g[2].get("partition-id", -1), g[3].metadata.src_node_id))
-        self.last_accepted = [int(g[2].get("partition-id", -1)) for g in good]  # type: ignore[call-overload]
+        self.last_accepted = [partition_of(g[2]) for g in good]
         if len(good) < self.min_sites:
             _log.warning("round %d: %d valid updates < min_sites=%d; global model unchanged",
                          server_round, len(good), self.min_sites)

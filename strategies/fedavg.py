@@ -34,9 +34,15 @@ from fedagg.errors import UpdateRejected, explain
 from strategies._records import arrays_to_record, record_to_arrays
 from strategies.base import FedaggStrategy
 
-__all__ = ["FedAvg", "validate_reply"]
+__all__ = ["FedAvg", "partition_of", "validate_reply"]
 
 _log = logging.getLogger(__name__)
+
+
+def partition_of(metrics: MetricRecord) -> int:
+    """The ``partition-id`` a site reported (-1 when absent or not a number)."""
+    value = metrics.get("partition-id", -1)
+    return int(value) if isinstance(value, (int, float)) else -1
 
 
 def validate_reply(reply: Message, keys: list[str], reference: list[np.ndarray], *,
@@ -180,7 +186,7 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
                 continue
             good.append((arrays, weight, metrics, reply))
         good.sort(key=lambda g: (g[2].get("partition-id", -1), g[3].metadata.src_node_id))
-        self.last_accepted = [int(g[2].get("partition-id", -1)) for g in good]  # type: ignore[call-overload]
+        self.last_accepted = [partition_of(g[2]) for g in good]
         return good
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
