@@ -12,7 +12,8 @@ Worker modes (``site.mode``):
     K real processes (``python -m clients.worker``) joined by torch.distributed: gloo on CPU,
     NCCL with one GPU per worker when the process sees at least K GPUs. The ClientApp process
     hosts the rendezvous store at a port the OS picks, so concurrent simulated sites never
-    collide. Weights, data and results travel through files in a private temporary directory.
+    collide. Weights, data and results travel through files in a private temporary directory
+    (under ``$FEDAGG_SITE_TMPDIR`` if set, else the system's temporary directory).
 ``inprocess``
     K threads inside the ClientApp process on an :class:`~fedagg.collectives.InProcessGroup`:
     cheap simulation of many multi-worker sites, same training code.
@@ -41,12 +42,11 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
-from clients.local import SiteUpdate, local_data, training_seed
-from clients.settings import SiteSettings
 from clients.worker import (
     JOB_FILE,
     X_FILE,
@@ -62,6 +62,10 @@ from clients.worker import (
 from fedagg.collectives import InProcessGroup
 from fedagg.config import SiteConfig
 from fedagg.errors import CollectiveError, WorkerError, explain
+
+if TYPE_CHECKING:  # Flower-dependent; imported lazily so SiteRuntime runs without Flower
+    from clients.local import SiteUpdate
+    from clients.settings import SiteSettings
 
 __all__ = ["SiteResult", "SiteRuntime", "build_job", "run_site"]
 
@@ -242,7 +246,8 @@ class SiteRuntime:
         from fedagg.collectives.backends.torch_dist import host_store
 
         k = self.site.workers
-        job_dir = Path(tempfile.mkdtemp(prefix=f"fedagg-{self.name}-r{self.server_round}-"))
+        job_dir = Path(tempfile.mkdtemp(prefix=f"fedagg-{self.name}-r{self.server_round}-",
+                                        dir=os.environ.get("FEDAGG_SITE_TMPDIR") or None))
         procs: list[subprocess.Popen[bytes]] = []
         logs = []
         try:
@@ -429,6 +434,8 @@ def _metrics(results: list[WorkerResult], wall: float, epochs: int) -> dict[str,
 def build_job(settings: SiteSettings, weights: list[npt.NDArray[np.float32]],
               input_shape: tuple[int, int, int], num_classes: int) -> WorkerJob:
     """The :class:`WorkerJob` of one round at one site, from its :class:`SiteSettings`."""
+    from clients.local import training_seed
+
     cfg, f = settings.cfg, settings.cfg.faults
     fault = None
     if f.worker_fault_site == settings.partition_id and f.worker_fault_round == settings.server_round:
@@ -452,6 +459,8 @@ def run_site(settings: SiteSettings, weights: list[npt.NDArray[np.float32]]) -> 
     WorkerError
         A worker crashed, raised or hung (the ClientApp turns it into Flower's error reply).
     """
+    from clients.local import SiteUpdate, local_data
+
     x, y, shape, classes = local_data(settings)
     job = build_job(settings, weights, shape, classes)
     runtime = SiteRuntime(settings.cfg.site, name=settings.name, server_round=settings.server_round)

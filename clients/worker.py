@@ -273,8 +273,8 @@ def main(argv: list[str] | None = None) -> int:
             threading.Thread(target=_watch_parent, args=(job.parent_pid,), daemon=True).start()
         if job.threads:
             torch.set_num_threads(job.threads)
-        x = np.load(job_dir / X_FILE, mmap_mode="r")
-        y = np.load(job_dir / Y_FILE, mmap_mode="r")
+        x = np.load(job_dir / X_FILE, mmap_mode="c")
+        y = np.load(job_dir / Y_FILE, mmap_mode="c")
         counter = [0]
 
         def progress(phase: str, step: int) -> None:

@@ -1,0 +1,64 @@
+"""Helpers for the multi-worker site tests: real settings, real data, no mocks."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from clients.local import local_data
+from clients.settings import NodeConfig, SiteSettings
+from fedagg.config import RunConfig, validate_model
+from fedagg.models import build_model, get_weights
+
+
+def settings(*, partition: int = 0, server_round: int = 1, **sections: dict[str, Any]) -> SiteSettings:
+    """Site settings for digits, IID, 2 sites of 300 examples, 1 epoch (overridable)."""
+    base: dict[str, Any] = {
+        "run": {"sites": 2, "seed": 5},
+        "data": {"dataset": "digits", "partitioner": "iid", "max_train_examples": 600},
+        "model": {"name": "mlp"},
+        "train": {"local_epochs": 1, "batch_size": 23, "lr": 0.1, "momentum": 0.9},
+        "site": {"worker_timeout": 60.0},
+    }
+    for name, values in sections.items():
+        base[name] = {**base.get(name, {}), **values}
+    cfg = validate_model(RunConfig, base)
+    node = NodeConfig(partition_id=partition, num_partitions=cfg.run.sites)
+    return SiteSettings(cfg=cfg, node=node, server_round=server_round, node_id=partition + 1)
+
+
+def initial_weights(s: SiteSettings) -> list[np.ndarray]:
+    _, _, shape, classes = local_data(s)
+    return get_weights(build_model(s.cfg.model.name, shape, classes, seed=11))
+
+
+def delta_rel_diff(a: list[np.ndarray], b: list[np.ndarray], w0: list[np.ndarray]) -> float:
+    """||(a - w0) - (b - w0)|| / ||b - w0||: relative difference of two updates."""
+    da = np.concatenate([(x - w).ravel() for x, w in zip(a, w0, strict=True)]).astype(np.float64)
+    db = np.concatenate([(x - w).ravel() for x, w in zip(b, w0, strict=True)]).astype(np.float64)
+    return float(np.linalg.norm(da - db) / np.linalg.norm(db))
+
+
+def child_pids() -> set[int]:
+    """PIDs of this process's live (non-zombie) children, from /proc."""
+    me, out = os.getpid(), set()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == me and fields[0] != "Z":
+            out.add(int(d.name))
+    return out
+
+
+def site_tempdirs(name: str) -> list[Path]:
+    import tempfile
+
+    return sorted(Path(tempfile.gettempdir()).glob(f"fedagg-{name}-*"))

@@ -1,0 +1,94 @@
+"""Gradient accumulation (DDP ``no_sync`` semantics) and bucketing, on real communicators."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from _site_helpers import delta_rel_diff, initial_weights, settings
+from torch import nn
+
+from clients.buckets import GradReducer
+from clients.local import train_single
+from clients.site import run_site
+from fedagg.collectives import run_inprocess
+from fedagg.models import build_model
+
+
+def _data(n: int = 40) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def _large_batch_grads(x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+    model = build_model("mlp", (1, 8, 8), 10, seed=3)
+    nn.CrossEntropyLoss()(model(x), y).backward()
+    return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("k,m", [(1, 4), (2, 3), (3, 5)])
+def test_micro_batches_with_one_all_reduce_equal_the_large_batch_step(
+    k: int, m: int, overlap: bool
+) -> None:
+    x, y = _data()
+    expected = _large_batch_grads(x, y)
+
+    def worker(comm):  # type: ignore[no-untyped-def]
+        model = build_model("mlp", (1, 8, 8), 10, seed=3)
+        red = GradReducer(model.parameters(), comm, algorithm="ring", overlap=overlap,
+                          bucket_bytes=20_000)
+        loss_fn = nn.CrossEntropyLoss(reduction="sum")
+        mine = np.array_split(np.arange(len(y)), comm.world_size)[comm.rank]
+        micro = np.array_split(mine, m)
+        red.begin_step()
+        calls_before_last = None
+        for j, mb in enumerate(micro):
+            red.set_sync(j == m - 1)
+            if j == m - 1:
+                calls_before_last = red.stats.calls
+            (loss_fn(model(x[mb]), y[mb]) / len(y)).backward()
+        red.finish_step()
+        red.close()
+        return [p.grad.clone() for p in model.parameters()], calls_before_last, red.stats
+
+    for grads, calls_before_last, stats in run_inprocess(k, worker, timeout=60):
+        assert calls_before_last == 0  # nothing reduced during the first m-1 micro-batches
+        assert stats.steps == 1
+        # one all-reduce per bucket, once per step; 20 kB buckets: [b, W, b] [W] [b] [W]
+        assert stats.calls == (4 if overlap else 1)
+        for g, e in zip(grads, expected, strict=True):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-7)
+
+
+def test_skipping_the_sync_would_be_caught() -> None:
+    """Without the final all-reduce each worker holds only its part: the check above fails."""
+    x, y = _data()
+    expected = _large_batch_grads(x, y)
+    model = build_model("mlp", (1, 8, 8), 10, seed=3)
+    (nn.CrossEntropyLoss(reduction="sum")(model(x[:20]), y[:20]) / 40).backward()
+    assert not torch.allclose(next(model.parameters()).grad, expected[0], rtol=1e-5)  # type: ignore[arg-type]
+
+
+def test_buckets_follow_reverse_parameter_order_and_size() -> None:
+    def worker(comm):  # type: ignore[no-untyped-def]
+        model = build_model("mlp", (1, 8, 8), 10, seed=3)  # params: 64x128, 128, 128x64, 64, 64x10, 10
+        red = GradReducer(model.parameters(), comm, bucket_bytes=35_000)
+        out = [b.params for b in red.buckets]
+        red.close()
+        return out
+
+    (buckets,) = run_inprocess(1, worker)
+    # reverse order, greedy fill: 40+2560+256 B, then 32768+512 B, then 32768 B
+    assert buckets == [[5, 4, 3], [2, 1], [0]]
+
+
+@pytest.mark.parametrize("m", [2, 4])
+def test_site_with_accumulation_equals_single_worker(m: int) -> None:
+    s1 = settings()
+    w0 = initial_weights(s1)
+    ref = train_single(s1, w0)
+    s = settings(site={"workers": 2, "mode": "inprocess", "accumulation_steps": m})
+    up = run_site(s, w0)
+    assert delta_rel_diff(up.weights, ref.weights, w0) < 1e-5
+    assert up.metrics["allreduce-calls"] == up.metrics["steps"] * up.metrics["buckets"]
