@@ -5,7 +5,15 @@ masking is the last step before the upload, after any other encoder). It acts on
 messages that carry the server's secure-aggregation records (:mod:`strategies._secagg_records`):
 
 1. strip those records and run the rest of the chain (training) as usual;
-2. ``update = trained - global`` as one flat vector, ``weight = num-examples``;
+2. ``update = trained - global`` as one flat vector, ``weight = num-examples``; or, for a
+   sparse secure round (the server's train message also carries the compression instruction
+   with a public-support spec, ``shared`` / ``block`` / ``aggtopk``), the values on the
+   round's public support: :func:`clients.mods.compression_mod`, which runs inside this mod,
+   adds the error-feedback residual (``Context.state["fedagg.ef"]``), gathers ``delta +
+   residual`` on the support, keeps the rest as the new residual and replies with the values
+   only; this mod masks exactly those ``k`` values (plus the weight). Values outside
+   ``[-secagg.clip, secagg.clip]`` are clipped by the fixed-point encoder and the clipped
+   part is not returned to the residual;
 3. :meth:`fedagg.secagg.ClientState.handle_round` clips, encodes, double-masks it; the reply
    holds only the :class:`~fedagg.secagg.MaskedUpload` (masked ``uint32`` vector in an
    ArrayRecord, small fields in a ConfigRecord), no metrics and no weights in the clear.
@@ -36,7 +44,8 @@ from flwr.clientapp import ClientApp
 
 from clients.local import inject_faults
 from clients.settings import SiteSettings
-from fedagg.errors import ProtocolError, explain
+from fedagg.compression import codec
+from fedagg.errors import CodecError, ProtocolError, explain
 from fedagg.secagg import (
     ClientState,
     KeyAdvertiseRequest,
@@ -46,6 +55,7 @@ from fedagg.secagg import (
     UnmaskRequest,
 )
 from fedagg.secagg import Message as SecAggMessage
+from strategies._compression import PREVIOUS_KEY, REPLY_KEY, payload_bytes
 from strategies._records import record_to_arrays
 from strategies._secagg_records import (
     ARRAYS_KEY,
@@ -108,7 +118,8 @@ def _reply(msg: Message, body: SecAggMessage) -> Message:
 
 
 def _model_record(content: RecordDict) -> ArrayRecord:
-    recs = {k: v for k, v in content.array_records.items() if k != ARRAYS_KEY}
+    recs = {k: v for k, v in content.array_records.items()
+            if k not in (ARRAYS_KEY, PREVIOUS_KEY)}
     if "arrays" in recs:
         return recs["arrays"]
     if len(recs) != 1:
@@ -118,30 +129,70 @@ def _model_record(content: RecordDict) -> ArrayRecord:
     return next(iter(recs.values()))
 
 
-def _update_and_weight(msg: Message, reply: Message) -> tuple[np.ndarray, float]:
-    """``(trained - global)`` as one flat float64 vector, and ``num-examples``."""
-    keys, global_arrays = record_to_arrays(_model_record(msg.content))
-    arecs = list(reply.content.array_records.values())
+def _weight(reply: Message) -> float:
     mrecs = list(reply.content.metric_records.values())
-    if len(arecs) != 1 or len(mrecs) != 1 or "num-examples" not in mrecs[0]:
+    if len(mrecs) != 1 or "num-examples" not in mrecs[0]:
+        raise ProtocolError(explain(
+            "train reply metrics", sorted(reply.content.keys()),
+            "secure aggregation needs one MetricRecord with num-examples",
+            "reply with the trained model (or compressed update) and num-examples"))
+    weight = mrecs[0]["num-examples"]
+    if isinstance(weight, list):
+        raise ProtocolError(explain("num-examples", "list", "must be a number", "-"))
+    return float(weight)
+
+
+def _support_values(msg: Message, reply: Message) -> np.ndarray:
+    """The values on the round's public support, from :func:`clients.mods.compression_mod`.
+
+    The compression mod (inside this one) has already added the error-feedback residual,
+    gathered ``delta + residual`` on the public support and kept the rest as the new residual
+    in ``Context.state``; its payload carries the values only (shared-support tensors, no
+    indices). They are concatenated in tensor order, i.e. in the order of the flat support.
+    """
+    numel = sum(int(np.prod(a.shape)) for a in _model_record(msg.content).values())
+    try:
+        payload = codec.decode(payload_bytes(reply.content.array_records[REPLY_KEY]),
+                               max_elements=max(numel, 1))
+    except CodecError as exc:
+        raise ProtocolError(f"compressed update could not be decoded: {exc}") from None
+    if not payload.tensors or not all(t.implicit_indices for t in payload.tensors):
+        raise ProtocolError(explain(
+            "compressed update", "own indices",
+            "a secure upload carries values on a public support only (per-site indices "
+            "cannot be masked and would be revealed)",
+            "set compression.support = random, block or topk-aggregate"))
+    return np.concatenate([t.float_values().astype(np.float64) for t in payload.tensors])
+
+
+def _update_and_weight(msg: Message, reply: Message) -> tuple[np.ndarray, float]:
+    """The vector to mask and ``num-examples``.
+
+    Dense: ``(trained - global)`` as one flat float64 vector. Sparse (the reply holds the
+    compression mod's payload): the values on the public support.
+    """
+    if REPLY_KEY in reply.content.array_records:
+        return _support_values(msg, reply), _weight(reply)
+    keys, global_arrays = record_to_arrays(_model_record(msg.content), copy=False)
+    arecs = list(reply.content.array_records.values())
+    if len(arecs) != 1:
         raise ProtocolError(explain(
             "train reply", sorted(reply.content.keys()),
             "secure aggregation needs the trained model (one ArrayRecord) and num-examples",
-            "put secure_mod outermost (MODS[0]) and do not compress secure uploads"))
-    new_keys, new_arrays = record_to_arrays(arecs[0])
+            "put secure_mod outermost (MODS[0])"))
+    weight = _weight(reply)
+    new_keys, new_arrays = record_to_arrays(arecs[0], copy=False)
     if new_keys != keys or any(a.shape != b.shape for a, b in zip(new_arrays, global_arrays,
                                                                     strict=True)):
         raise ProtocolError(explain("train reply arrays", new_keys[:3],
                                     "must have the global model's keys and shapes",
                                     "reply with the trained model"))
-    weight = mrecs[0]["num-examples"]
-    if isinstance(weight, list):
-        raise ProtocolError(explain("num-examples", "list", "must be a number", "-"))
-    update = np.concatenate([
-        (np.asarray(n, np.float64) - np.asarray(g, np.float64)).reshape(-1)
-        for n, g in zip(new_arrays, global_arrays, strict=True)
-    ]) if new_arrays else np.zeros(0)
-    return update, float(weight)
+    update = np.empty(sum(int(a.size) for a in new_arrays), np.float64)
+    pos = 0
+    for n, g in zip(new_arrays, global_arrays, strict=True):  # one pass, no temporaries
+        np.subtract(n.reshape(-1), g.reshape(-1), out=update[pos:pos + n.size], dtype=np.float64)
+        pos += n.size
+    return update, weight
 
 
 def secure_mod(msg: Message, context: Context, call_next: CallNext) -> Message:

@@ -48,9 +48,19 @@ from fedagg.secagg import (
     UnmaskResponse,
 )
 from fedagg.secagg import Message as SecAggMessage
+from strategies._compression import (
+    INSTRUCTION_KEY,
+    PREVIOUS_KEY,
+    Instruction,
+    effective_spec,
+    flat_difference,
+    round_compressor,
+    shared_support,
+    stage_names,
+)
 from strategies._records import arrays_to_record, message_nbytes, record_to_arrays
 from strategies._secagg_records import PARAMS_KEY, SiteIndex, pack, params_to_record, unpack
-from strategies.base import FedaggStrategy, RoundResult
+from strategies.base import FedaggStrategy, RoundResult, exchange
 from strategies.fedavg import FedAvg
 
 __all__ = [
@@ -60,6 +70,7 @@ __all__ = [
     "SecureAggregation",
     "flatten_arrays",
     "resolve_params",
+    "secure_spec",
     "unflatten_like",
 ]
 
@@ -89,6 +100,63 @@ def unflatten_like(flat: np.ndarray, like: Sequence[np.ndarray]) -> list[np.ndar
         out.append(np.asarray(flat[pos:pos + n], np.float64).reshape(np.shape(a)))
         pos += n
     return out
+
+
+_PUBLIC_STAGES = ("shared", "block", "aggtopk")
+
+
+def secure_spec(up: str, support: str) -> str:
+    """The upward spec the sites run under secure aggregation (``"none"``: dense).
+
+    Masks cancel only on coordinates that every site sends, so a sparse secure upload must
+    use a support derived from public information: ``compression.support`` = ``random``,
+    ``block`` or ``topk-aggregate`` (or a ``shared`` / ``block`` / ``aggtopk`` stage written
+    out). Allowed stages: that one sparsifier and ``ef``. The values are encoded to 32-bit
+    fixed point for masking, so a quantizer stage (``int8``, ``fp16``, ``bf16``) is refused.
+
+    Raises
+    ------
+    ConfigError
+        Own-index sparsifiers (``topk`` / ``randk`` with ``support = "own"``): per-site indices
+        cannot be masked and would reveal which coordinates mattered to each site; quantizers;
+        anything but the stages above.
+
+    Examples
+    --------
+    >>> secure_spec("topk:0.01+ef", "random")
+    'shared:0.01+ef'
+    """
+    spec = effective_spec(up, support)
+    if spec == "none":
+        return spec
+    names = stage_names(spec)
+    own = [n for n in names if n in ("topk", "randk")]
+    if own:
+        raise ConfigError(explain(
+            "compression.support", support,
+            f"'{own[0]}' chooses indices per site; under secure aggregation they cannot be "
+            "masked (masks cancel only on a support all sites share) and sending them would "
+            "reveal which coordinates mattered to each site",
+            f"set compression.support = 'random', 'block' or 'topk-aggregate' (public supports)"
+            f" with compression.up = {up!r}, or use strategy.name = 'compressed' if revealing "
+            "per-site indices is acceptable"))
+    quant = [n for n in names if n in ("int8", "fp16", "bf16")]
+    if quant:
+        raise ConfigError(explain(
+            "compression.up", up,
+            f"the quantizer '{quant[0]}' is meaningless under secure aggregation: masked values "
+            "are 32-bit fixed point (secagg.frac_bits), so it would only add error; secure "
+            "uploads are dense or sparse on a public support",
+            "drop the quantizer stage, e.g. compression.up = 'topk:0.01+ef' with "
+            "compression.support = 'random'"))
+    other = [n for n in names if n not in (*_PUBLIC_STAGES, "ef")]
+    if other or not any(n in _PUBLIC_STAGES for n in names):
+        raise ConfigError(explain(
+            "compression.up", up,
+            "secure aggregation accepts one public-support sparsifier (a topk / randk amount "
+            "with compression.support = random | block | topk-aggregate) plus optional 'ef'",
+            "e.g. compression.up = 'topk:0.01+ef' with compression.support = 'random'"))
+    return spec
 
 
 def resolve_params(sec: SecAggConfig, num_sites: int, *, upload_timeout: float = 600.0
@@ -150,10 +218,21 @@ class SecureAggregation(FedaggStrategy):
         expects).
     run_id : bytes, optional
         Bound into every derived key; 16 random bytes when omitted.
+    up, support : str
+        ``compression.up`` / ``compression.support``. With a public support (``random``,
+        ``block``, ``topk-aggregate``) each site sends only its masked values on the round's
+        support (``k`` values + weight, no index bytes) and keeps the rest in its
+        error-feedback residual; see :func:`secure_spec` for what is refused.
+    run_seed : int
+        ``run.seed``: the public seed of the supports (as :class:`~strategies.compressed.
+        CompressedFedAvg` uses it, so both agree on the support of a round).
+    state_namespace : str
+        Suffix of the sites' compression state keys in ``Context.state``.
     """
 
     def __init__(self, inner: FedAvg | None = None, *, secagg: SecAggConfig | None = None,
-                 config_key: str = "config", run_id: bytes | None = None) -> None:
+                 config_key: str = "config", run_id: bytes | None = None, up: str = "none",
+                 support: str = "own", run_seed: int = 0, state_namespace: str = "") -> None:
         self.inner = inner if inner is not None else FedAvg()
         if not isinstance(self.inner, FedAvg):
             raise ConfigError(explain("inner", type(self.inner).__name__,
@@ -168,6 +247,19 @@ class SecureAggregation(FedaggStrategy):
         self._counter = 0
         self.last_result: Any = None  # fedagg.secagg.RoundResult of the last completed round
         self.history: list[dict[str, Any]] = []
+        self.spec = secure_spec(up, support)
+        self.support = support
+        self.run_seed = int(run_seed)
+        self.state_namespace = state_namespace
+        self._needs_previous = "aggtopk" in stage_names(self.spec)
+        if self.spec != "none":  # a bad spec fails at start-up, not in round 1 at every site
+            round_compressor(self.spec, run_seed=self.run_seed, server_round=1,
+                             previous_aggregate=None)
+        self._prev_sent: list[np.ndarray] | None = None  # global of the last round sent
+        self._prev_keys: list[str] = []
+        self._prev_round = -1
+        self._fresh: set[int] = set()  # nodes that uploaded in that round (they kept it)
+        self.last_support: np.ndarray | None = None
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -178,14 +270,10 @@ class SecureAggregation(FedaggStrategy):
         ------
         ConfigError
             Impossible combinations, explained (too few sites per round, ``t > k``, no
-            fixed-point headroom, compression of the upload, which masks cannot cover yet).
+            fixed-point headroom, own-index sparsifiers or quantizers in ``compression.up``;
+            see :func:`secure_spec`).
         """
-        if cfg.compression.up != "none":
-            raise ConfigError(explain(
-                "compression.up", cfg.compression.up,
-                "the 'secure' strategy masks the full update; pairwise masks only cancel on a "
-                "support every site shares, and compressed secure uploads are not wired up yet",
-                "set compression.up = 'none' with strategy.name = 'secure'"))
+        secure_spec(cfg.compression.up, cfg.compression.support)
         per_round = max(int(cfg.run.sites * cfg.run.fraction_train), 1)
         try:
             resolve_params(cfg.secagg, per_round, upload_timeout=cfg.run.round_timeout)
@@ -193,7 +281,8 @@ class SecureAggregation(FedaggStrategy):
             raise ConfigError(f"{exc} (strategy 'secure' with {per_round} sites per round: "
                               f"run.sites={cfg.run.sites} x run.fraction_train="
                               f"{cfg.run.fraction_train})") from None
-        return cls(FedAvg.from_config(None, cfg), secagg=cfg.secagg)
+        return cls(FedAvg.from_config(None, cfg), secagg=cfg.secagg, up=cfg.compression.up,
+                   support=cfg.compression.support, run_seed=cfg.run.seed)
 
     # -- Flower Strategy interface (evaluation is delegated) ----------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -242,12 +331,25 @@ class SecureAggregation(FedaggStrategy):
 
     def _exchange(self, grid: Grid, messages: list[Message], timeout: float, ex: _Exchange,
                   phase: str) -> list[Message]:
-        """Send, wait, count bytes; replies with errors are recorded as failures."""
-        ex.bytes_down += sum(message_nbytes(m) for m in messages)
+        """Send, wait until the deadline, keep only genuine replies; count bytes and failures.
+
+        Goes through :func:`strategies.base.exchange` (deadline ``timeout`` seconds from now,
+        no retries: a secure-aggregation message must not be answered twice), so replies are
+        checked by :func:`strategies.base.filter_replies`: a reply to a message of an earlier
+        exchange (replayed or stale), to a message addressed to another node, or a second reply
+        to the same message is refused and recorded in ``rejected``. Error replies and missing
+        replies are failures.
+        """
         t0 = time.perf_counter()
-        replies = list(grid.send_and_receive(messages, timeout=timeout)) if messages else []
+        if messages:
+            replies, refused, bytes_down, _ = exchange(self, grid, messages, timeout)
+        else:
+            replies, refused, bytes_down = [], {}, 0
+        ex.bytes_down += bytes_down
         ex.tick(phase, t0)
         ex.exchanges += 1
+        for node, why in refused.items():
+            ex.rejected.setdefault(node, f"{phase}: {why}")
         answered = {r.metadata.src_node_id for r in replies}
         ok = []
         for m in messages:
@@ -268,7 +370,7 @@ class SecureAggregation(FedaggStrategy):
         _log.warning("secure aggregation: node %d dropped (%s)", node, reason)
 
     def _receive(self, ex: _Exchange, reply: Message, cls: type[Any], site_of: dict[int, int],
-                 accept: Any, phase: str) -> None:
+                 accept: Any, phase: str) -> bool:
         """Parse one reply and hand it to the server state; protocol errors drop the site."""
         node = reply.metadata.src_node_id
         try:
@@ -280,6 +382,8 @@ class SecureAggregation(FedaggStrategy):
         except (ProtocolError, VerificationError) as exc:
             ex.rejected[str(node)] = f"{phase}: {exc}"
             self._fail(ex, node, f"{phase}: invalid reply: {exc}")
+            return False
+        return True
 
     # -- key setup (two exchanges) -------------------------------------------------------------
     def _setup(self, grid: Grid, nodes: Sequence[int], config: ConfigRecord, group: str,
@@ -341,16 +445,25 @@ class SecureAggregation(FedaggStrategy):
                                replies=replies, failures=len(ex.failed), rejected=ex.rejected,
                                seconds=ex.seconds)
 
+        support = self._round_support(server_round, current, dim)
+        masked_dim = dim if support is None else int(support.size)
         try:
-            requests = self._open_round(grid, server, nodes, site_of, dim, config, group, ex)
+            requests = self._open_round(grid, server, nodes, site_of, masked_dim, config, group,
+                                        ex)
         except (AbortRound, ConfigError) as exc:
             return done(None, None, 0, str(exc))
         node_of = {i: n for n, i in site_of.items()}
+        extra = self._train_records(server_round, arrays, keys)
         msgs = [self._message(grid, node_of[i], i, MessageType.TRAIN, req, config, group, timeout,
-                              {self.inner.arrayrecord_key: arrays})
+                              self._with_previous(extra, node_of[i]))
                 for i, req in requests.items()]
+        uploaded: set[int] = set()
         for reply in self._exchange(grid, msgs, timeout, ex, "upload"):
-            self._receive(ex, reply, MaskedUpload, site_of, server.receive_upload, "upload")
+            if self._receive(ex, reply, MaskedUpload, site_of, server.receive_upload, "upload"):
+                uploaded.add(reply.metadata.src_node_id)
+        if support is not None:  # sites that uploaded now hold this round's model
+            self._prev_sent, self._prev_keys, self._prev_round = list(current), keys, server_round
+            self._fresh = uploaded
         t0 = time.perf_counter()
         try:
             unmask_requests = server.close_uploads()
@@ -369,11 +482,15 @@ class SecureAggregation(FedaggStrategy):
         except (AbortRound, VerificationError) as exc:
             ex.tick("aggregate", t0)
             return done(None, None, counted, f"unmask failed: {exc}")
-        problem = self._check_aggregate(result.mean)
+        mean = result.mean
+        if support is not None:  # weighted mean of the support values -> dense delta
+            mean = np.zeros(dim, np.float64)
+            mean[support] = result.mean
+        problem = self._check_aggregate(mean)
         if problem:
             ex.tick("aggregate", t0)
             return done(None, None, counted, problem)
-        delta = unflatten_like(result.mean, current)
+        delta = unflatten_like(mean, current)
         new = self.inner.optimizer.step(current, delta)
         new = [np.asarray(n).astype(np.asarray(c).dtype, copy=False)
                for n, c in zip(new, current, strict=True)]
@@ -382,12 +499,55 @@ class SecureAggregation(FedaggStrategy):
             "num-examples": float(result.total_weight),
             "secagg-counted": len(result.counted), "secagg-dropped": len(result.dropped),
             "secagg-frac-bits": result.frac_bits, "secagg-error-bound": float(result.error_bound),
-            "secagg-epoch": result.epoch,
+            "secagg-epoch": result.epoch, "secagg-values": int(result.mean.size),
         })
         ex.tick("aggregate", t0)
         _log.info("round %d: secure mean of %d sites (%d dropped before upload), error <= %.2e",
                   server_round, len(result.counted), len(result.dropped), result.error_bound)
         return done(arrays_to_record(new, keys), metrics, len(result.counted))
+
+    # -- sparse secure uploads (public support) --------------------------------------------------
+    def _round_support(self, server_round: int, current: Sequence[np.ndarray], dim: int
+                       ) -> np.ndarray | None:
+        """The public support of ``server_round`` (None: dense), as the sites compute it.
+
+        ``topk-aggregate`` uses the previous public aggregate ``global_t - global_{t-1}`` (the
+        model sent now minus the one sent in the last round that opened), like
+        :class:`~strategies.compressed.CompressedFedAvg`; without one, the seeded random
+        support of the same amount.
+        """
+        if self.spec == "none":
+            self.last_support = None
+            return None
+        aggregate = (flat_difference(current, self._prev_sent)
+                     if self._needs_previous and self._prev_sent is not None else None)
+        support = shared_support(self.spec, run_seed=self.run_seed, server_round=server_round,
+                                 previous_aggregate=aggregate, numel=dim)
+        if support is None or support.size < 1:
+            raise ConfigError(explain("compression.up", self.spec,
+                                      "a secure sparse round needs a support of >= 1 position",
+                                      "raise the ratio or k of the sparsifier"))
+        self.last_support = support
+        return support
+
+    def _train_records(self, server_round: int, arrays: ArrayRecord, keys: list[str]
+                       ) -> dict[str, Any]:
+        """Records of the train message besides the protocol ones (model, instruction)."""
+        out: dict[str, Any] = {self.inner.arrayrecord_key: arrays}
+        if self.spec != "none":
+            out[INSTRUCTION_KEY] = Instruction(
+                up=self.spec, run_seed=self.run_seed, server_round=server_round,
+                previous_round=self._prev_round if self._needs_previous else -1,
+                namespace=self.state_namespace).to_record()
+            if self._needs_previous and self._prev_sent is not None:
+                out[PREVIOUS_KEY] = arrays_to_record(self._prev_sent, self._prev_keys)
+        return out
+
+    def _with_previous(self, extra: dict[str, Any], node: int) -> dict[str, Any]:
+        """Only sites that did not upload in the last round get the previous model."""
+        if PREVIOUS_KEY in extra and node in self._fresh:
+            return {k: v for k, v in extra.items() if k != PREVIOUS_KEY}
+        return extra
 
     def _open_round(self, grid: Grid, server: ServerState, nodes: Sequence[int],
                     site_of: dict[int, int], dim: int, config: ConfigRecord, group: str,

@@ -1,0 +1,206 @@
+"""Sparse + secure: SecureAggregation with a public support over the real ClientApp.
+
+Oracle: the plaintext CompressedFedAvg with the same spec, support, public seed and sites,
+fed the same global model every round (so site training and error-feedback residuals are
+bit-identical); the only difference allowed is the fixed-point error the secure round
+reports (``secagg-error-bound``) plus float32 rounding. Messages cross Flower's serialisation
+(server.inprocess.InProcessGrid).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, Message
+
+from clients.app import app
+from clients.mods import EF_KEY
+from fedagg.config import RunConfig, load_config
+from fedagg.data import load_dataset
+from fedagg.errors import ConfigError
+from fedagg.models import build_model
+from server.inprocess import InProcessGrid, nodes_by_partition
+from server.runner import client_config
+from strategies._compression import shared_support
+from strategies._records import arrays_to_record, record_to_arrays
+from strategies._secagg_records import ARRAYS_KEY, CONFIG_KEY
+from strategies.base import RoundResult, run_train_round
+from strategies.compressed import CompressedFedAvg
+from strategies.registry import build_strategy
+from strategies.secure import SecureAggregation
+
+BASE = ["run.sites=5", "train.local_epochs=1", "data.max_train_examples=300",
+        "secagg.weight_scale=300", "compression.up=topk:0.05+ef"]
+
+
+def _cfg(*overrides: str) -> RunConfig:
+    return load_config(None, [*BASE, *overrides])
+
+
+def _initial(cfg: RunConfig) -> ArrayRecord:
+    ds = load_dataset(cfg.data.dataset, test_fraction=cfg.data.test_fraction, seed=cfg.run.seed)
+    model = build_model(cfg.model.name, ds.input_shape, ds.num_classes, seed=cfg.run.seed)
+    sd = model.state_dict()
+    return arrays_to_record([t.detach().numpy().copy() for t in sd.values()], list(sd))
+
+
+def _round(strategy: Any, grid: InProcessGrid, rnd: int, arrays: ArrayRecord,
+           cfg: RunConfig) -> RoundResult:
+    return run_train_round(strategy, grid, rnd, arrays, client_config(cfg), 600.0)
+
+
+def _flat(a: ArrayRecord) -> np.ndarray:
+    return np.concatenate([x.astype(np.float64).ravel() for x in record_to_arrays(a)[1]])
+
+
+def _bound(result: RoundResult) -> float:
+    assert result.metrics is not None
+    return float(result.metrics["secagg-error-bound"]) + 2e-6  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("support", ["random", "topk-aggregate"])
+def test_secure_sparse_equals_plaintext_on_the_same_support_with_a_dropout(support: str) -> None:
+    faults = ["faults.crash_site=2", "faults.crash_round=2"]
+    cfg_sec = _cfg("strategy.name=secure", f"compression.support={support}", *faults,
+                   "faults.crash_stage=upload")
+    cfg_pl = _cfg("strategy.name=compressed", f"compression.support={support}", *faults,
+                  "faults.crash_stage=train")
+    secure, plain = build_strategy(cfg_sec), build_strategy(cfg_pl)
+    assert isinstance(secure, SecureAggregation) and isinstance(plain, CompressedFedAvg)
+    g_sec, g_pl = InProcessGrid(app, 5, seed=3), InProcessGrid(app, 5, seed=3)
+    arrays = _initial(cfg_sec)
+    dim = _flat(arrays).size
+    k = round(0.05 * dim)
+    supports = []
+    # topk-aggregate: round 3 derives its support from round 2's aggregate, and the site that
+    # dropped in round 2 is sent the previous model to derive it
+    for rnd in ((1, 2, 3) if support == "topk-aggregate" else (1, 2)):
+        rs = _round(secure, g_sec, rnd, arrays, cfg_sec)
+        rp = _round(plain, g_pl, rnd, arrays, cfg_pl)
+        assert rs.arrays is not None and rp.arrays is not None and rs.metrics is not None
+        counted = 4 if rnd == 2 else 5
+        assert rs.metrics["secagg-counted"] == counted and rs.replies == counted
+        assert secure.last_support is not None
+        assert rs.metrics["secagg-values"] == secure.last_support.size  # only the support
+        assert abs(secure.last_support.size - k) <= 1
+        step_s, step_p = _flat(rs.arrays) - _flat(arrays), _flat(rp.arrays) - _flat(arrays)
+        assert float(np.abs(step_s - step_p).max()) <= _bound(rs), rnd
+        # the step is zero off the public support, on both sides
+        off = np.ones(dim, bool)
+        off[secure.last_support] = False
+        assert not step_s[off].any() and not step_p[off].any()
+        assert float(np.abs(step_p[~off]).max()) > 100 * _bound(rs)  # the oracle is sharp
+        supports.append(secure.last_support.copy())
+        arrays = rp.arrays
+    assert not np.array_equal(supports[0], supports[1])  # a new support every round
+    # the error-feedback residual lives in Context.state, identical on both sides
+    for n_s, n_p in zip(nodes_by_partition(g_sec), nodes_by_partition(g_pl), strict=True):
+        r_s = record_to_arrays(g_sec.contexts[n_s].state.array_records[EF_KEY])[1]
+        r_p = record_to_arrays(g_pl.contexts[n_p].state.array_records[EF_KEY])[1]
+        assert all(np.array_equal(a, b) for a, b in zip(r_s, r_p, strict=True))
+
+
+def test_topk_aggregate_support_is_the_topk_of_the_applied_global_delta() -> None:
+    cfg = _cfg("strategy.name=secure", "compression.support=topk-aggregate")
+    secure = build_strategy(cfg)
+    assert isinstance(secure, SecureAggregation)
+    grid = InProcessGrid(app, 5)
+    a0 = _initial(cfg)
+    r1 = _round(secure, grid, 1, a0, cfg)
+    assert r1.arrays is not None
+    r2 = _round(secure, grid, 2, r1.arrays, cfg)
+    assert r2.arrays is not None and secure.last_support is not None
+    applied = (_flat(r1.arrays) - _flat(a0)).astype(np.float32)
+    want = shared_support(secure.spec, run_seed=cfg.run.seed, server_round=2,
+                          previous_aggregate=applied, numel=applied.size)
+    assert want is not None and np.array_equal(secure.last_support, want)
+    # every position on the support is at least as large as every position off it
+    off = np.ones(applied.size, bool)
+    off[want] = False
+    assert np.abs(applied[want]).min() >= np.abs(applied[off]).max()
+
+
+def test_residual_persists_and_the_upload_is_only_the_masked_support_values() -> None:
+    cfg = _cfg("strategy.name=secure", "compression.support=block")
+    replies: list[Message] = []
+
+    def recording_app(msg: Message, ctx: Any) -> Message:
+        out = app(msg, ctx)
+        if msg.metadata.message_type == "train":
+            replies.append(out)
+        return out
+
+    grid = InProcessGrid(recording_app, 5)
+    secure = build_strategy(cfg)
+    assert isinstance(secure, SecureAggregation)
+    arrays = _initial(cfg)
+    dim = _flat(arrays).size
+    k = round(0.05 * dim)
+    residuals = []
+    for rnd in (1, 2):
+        res = _round(secure, grid, rnd, arrays, cfg)
+        assert res.arrays is not None
+        arrays = res.arrays
+        node = nodes_by_partition(grid)[0]
+        residuals.append(np.concatenate([r.ravel() for r in record_to_arrays(
+            grid.contexts[node].state.array_records[EF_KEY])[1]]))
+    for reply in replies:
+        assert set(reply.content.keys()) == {CONFIG_KEY, ARRAYS_KEY}  # no indices, no metrics
+        masked = reply.content.array_records[ARRAYS_KEY]["masked"].numpy()
+        assert masked.dtype == np.uint32 and abs(masked.size - (k + 1)) <= 1
+    # the residual is carried over: off both supports it accumulates two rounds of deltas
+    assert np.abs(residuals[0]).max() > 0
+    assert not np.array_equal(residuals[0], residuals[1])
+    up = secure.history[-1]["bytes_up"]["upload"] / 5
+    assert 4 * k < up <= 4 * k + 4096  # values + weight, plus keys / shares / headers
+
+
+@pytest.mark.parametrize(("overrides", "field", "words"), [
+    (["compression.up=topk:0.01+ef"], "compression.support", "reveal"),
+    (["compression.up=randk:0.01"], "compression.support", "cannot be masked"),
+    (["compression.up=topk:0.01+ef+int8", "compression.support=random"], "compression.up",
+     "meaningless under secure aggregation"),
+    (["compression.up=bf16"], "compression.up", "meaningless"),
+])
+def test_own_indices_and_quantizers_are_refused_under_secure(overrides: list[str], field: str,
+                                                             words: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        build_strategy(load_config(None, ["strategy.name=secure", "run.sites=5", *overrides]))
+    text = str(info.value)
+    assert text.startswith(field) and words in text and "Fix:" in text
+
+
+def test_a_replayed_reply_from_an_earlier_exchange_is_refused() -> None:
+    """A reply to a message of a previous round's exchange is never handed to the protocol."""
+    cfg = _cfg("strategy.name=secure", "compression.up=none")
+
+    class ReplayGrid(InProcessGrid):
+        def __init__(self) -> None:
+            super().__init__(app, 5)
+            self.saved: dict[str, Message] = {}
+            self.replay = False
+
+        def send_and_receive(self, messages: Any, *, timeout: float | None = None) -> Any:
+            msgs = list(messages)
+            out = list(super().send_and_receive(msgs, timeout=timeout))
+            kind = msgs[0].metadata.message_type if msgs else ""
+            if self.replay and kind in self.saved:
+                out.insert(0, self.saved[kind])  # the old reply arrives first
+            if out and kind not in self.saved:  # keep one reply per kind, from two nodes
+                self.saved[kind] = out[0] if kind == "train" else out[-1]
+            return out
+
+    grid = ReplayGrid()
+    secure = build_strategy(cfg)
+    arrays = _initial(cfg)
+    r1 = _round(secure, grid, 1, arrays, cfg)
+    assert r1.arrays is not None
+    grid.replay = True
+    r2 = _round(secure, grid, 2, r1.arrays, cfg)
+    assert r2.arrays is not None and r2.metrics is not None
+    assert r2.failures == 0 and r2.metrics["secagg-counted"] == 5
+    assert len(r2.rejected) == 2  # the replayed upload and the replayed unmask reply
+    assert all("stale or foreign" in why for why in r2.rejected.values())
+    assert sorted(why.split(":")[0] for why in r2.rejected.values()) == ["unmask", "upload"]
