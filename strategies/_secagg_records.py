@@ -25,9 +25,10 @@ from typing import Any, TypeVar
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-from fedagg.errors import ProtocolError, explain
+from fedagg.errors import ProtocolError, UpdateRejected, explain
 from fedagg.secagg import Message as SecAggMessage
 from fedagg.secagg import MessageDict, SecAggParams
+from strategies._records import safe_numpy
 
 __all__ = [
     "ARRAYS_KEY",
@@ -70,8 +71,14 @@ def dict_to_records(data: MessageDict) -> tuple[ConfigRecord, ArrayRecord]:
     return ConfigRecord(scalars), ArrayRecord(arrays)
 
 
-def dict_from_records(config: ConfigRecord, arrays: ArrayRecord) -> MessageDict:
-    """Inverse of :func:`dict_to_records` (keys of both records, arrays as numpy)."""
+def dict_from_records(config: ConfigRecord, arrays: ArrayRecord, *, copy: bool = True
+                      ) -> MessageDict:
+    """Inverse of :func:`dict_to_records` (keys of both records, arrays as numpy).
+
+    With ``copy=False`` the arrays are read-only views on the records' npy bytes (the masked
+    vector of an upload is read once, never copied); headers are checked against the data
+    present before anything is allocated (:func:`strategies._records.safe_numpy`).
+    """
     out: MessageDict = {}
     for key, value in dict(config).items():
         if isinstance(value, (bool, float, str, list)):
@@ -81,7 +88,10 @@ def dict_from_records(config: ConfigRecord, arrays: ArrayRecord) -> MessageDict:
     for key in arrays:
         if key in out:
             raise ProtocolError(explain(key, "duplicate", "a key is in both records", "-"))
-        out[key] = arrays[key].numpy()
+        try:
+            out[key] = safe_numpy(arrays[key], name=key, copy=copy)
+        except UpdateRejected as exc:
+            raise ProtocolError(str(exc)) from None
     return out
 
 
@@ -94,7 +104,7 @@ def pack(content: RecordDict, message: SecAggMessage) -> RecordDict:
 
 
 def unpack(content: RecordDict, cls: type[M]) -> M:
-    """Read a protocol message of type ``cls`` from ``content``.
+    """Read a protocol message of type ``cls`` from ``content`` (arrays: read-only views).
 
     Raises
     ------
@@ -107,7 +117,7 @@ def unpack(content: RecordDict, cls: type[M]) -> M:
         raise ProtocolError(explain("message content", sorted(content.keys()),
                                     f"must hold {CONFIG_KEY!r} and {ARRAYS_KEY!r}",
                                     "send a fedagg secure-aggregation message"))
-    return cls.from_dict(dict_from_records(config, arrays))
+    return cls.from_dict(dict_from_records(config, arrays, copy=False))
 
 
 def strip(content: RecordDict) -> RecordDict:

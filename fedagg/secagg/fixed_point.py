@@ -133,14 +133,19 @@ def encode(
     numpy.ndarray
         ``uint32`` vector of length ``values.size + 1``.
     """
-    x = np.asarray(values, dtype=np.float64).reshape(-1)
-    if not bool(np.isfinite(x).all()):
+    x = np.asarray(values).reshape(-1)
+    if not bool(np.isfinite(x.sum(dtype=np.float64))) and not bool(np.isfinite(x).all()):
         raise UpdateRejected(explain("update", "non-finite", "must be finite", "fix training"))
-    scaled = np.clip(x, -clip, clip) * float(weight_q)
+    # In place on one float64 buffer: clip, scale, split into floor and fraction.
+    scaled = np.clip(x, -clip, clip, out=np.empty(x.size, np.float64))
+    scaled *= float(weight_q)
     low = np.floor(scaled)
-    rounded = low + (rng.random(scaled.shape) < (scaled - low))
+    scaled -= low  # the fractional part, in [0, 1)
+    up = rng.random(x.size) < scaled  # round up with probability = fraction (unbiased)
     out = np.empty(x.size + 1, np.uint32)
-    out[:-1] = rounded.astype(np.int64).astype(np.uint32)  # two's complement mod 2^32
+    body = out[:-1].view(np.int32)
+    np.copyto(body, low, casting="unsafe")  # |low| <= clip * 2^f < 2^31: exact
+    body += up  # two's complement: the int32 view is the value mod 2^32
     out[-1] = np.uint32(weight_q)
     return out
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import numpy as np
 from numpy.typing import NDArray
 
-from fedagg.secagg.prg import mask_words
+from fedagg.secagg.prg import CHUNK_WORDS, MaskStream, _check_length
 
 __all__ = ["add_masks", "pairwise_sign"]
 
@@ -26,11 +26,27 @@ def pairwise_sign(site: int, other: int) -> int:
 
 
 def add_masks(vector: NDArray[np.uint32], signed_keys: Iterable[tuple[int, bytes]]) -> None:
-    """In place: ``vector += sign * PRG(key)`` mod ``2^32`` for each ``(sign, key)``."""
-    n = vector.shape[0]
-    for sign, key in signed_keys:
-        words = mask_words(key, n)
-        if sign > 0:
-            np.add(vector, words, out=vector)
-        else:
-            np.subtract(vector, words, out=vector)
+    """In place: ``vector += sign * PRG(key)`` mod ``2^32`` for each ``(sign, key)``.
+
+    The masks are never materialised: the vector is walked in chunks of
+    :data:`~fedagg.secagg.prg.CHUNK_WORDS`; for each chunk, every key's keystream continues
+    into one preallocated (cache-resident) scratch buffer and is added or subtracted in place,
+    with ``uint32`` wraparound. Same result as adding the full :func:`mask_words` of each key.
+    """
+    if vector.dtype != np.uint32 or vector.ndim != 1 or not vector.flags.c_contiguous:
+        raise ValueError("add_masks needs a contiguous 1-D uint32 vector")
+    n = int(vector.shape[0])
+    _check_length(n)
+    streams = [(sign, MaskStream(key)) for sign, key in signed_keys]
+    if not streams or n == 0:
+        return
+    scratch = np.empty(min(n, CHUNK_WORDS), np.uint32)
+    for start in range(0, n, CHUNK_WORDS):
+        view = vector[start : start + CHUNK_WORDS]
+        words = scratch[: view.shape[0]]
+        for sign, stream in streams:
+            stream.next_into(words)
+            if sign > 0:
+                np.add(view, words, out=view)
+            else:
+                np.subtract(view, words, out=view)

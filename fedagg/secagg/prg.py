@@ -19,11 +19,46 @@ from numpy.typing import NDArray
 
 from fedagg.errors import ProtocolError, explain
 
-__all__ = ["MAX_WORDS", "keystream", "mask_words"]
+__all__ = ["CHUNK_WORDS", "MAX_WORDS", "MaskStream", "keystream", "mask_words"]
 
 _BLOCK_BYTES: Final = 64
 MAX_WORDS: Final = (2**32 * _BLOCK_BYTES) // 4
 """Most words one key can produce before the 32-bit block counter wraps (RFC 8439 2.4)."""
+CHUNK_WORDS: Final = 1 << 16
+"""Words per keystream chunk of :class:`MaskStream` (256 KiB: stays in the L2 cache)."""
+_ZEROS: Final = bytes(4 * CHUNK_WORDS)  # the "plaintext" of every chunk, allocated once
+
+
+def _check_length(length: int) -> None:
+    if not 0 <= length <= MAX_WORDS:
+        raise ProtocolError(
+            explain("mask length", length, f"must be in [0, {MAX_WORDS}]", "split the vector")
+        )
+
+
+class MaskStream:
+    """The keystream of one mask key, read chunk by chunk into a caller's buffer.
+
+    Same words as :func:`mask_words` (ChaCha20, zero nonce, counter 0, little-endian
+    ``uint32``), without materialising the whole mask: :meth:`next_into` writes the next
+    ``m <= CHUNK_WORDS`` words into ``out`` (no allocation), so a masking loop can add the
+    chunk while it is still in cache.
+    """
+
+    __slots__ = ("_enc",)
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) != 32:
+            raise ProtocolError(explain("chacha20 key", len(key), "must be 32 bytes", "fix"))
+        self._enc = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor()
+
+    def next_into(self, out: NDArray[np.uint32]) -> None:
+        """Fill ``out`` (contiguous ``uint32``, at most :data:`CHUNK_WORDS`) with the next words."""
+        m = out.shape[0]
+        if m > CHUNK_WORDS or out.dtype != np.uint32 or not out.flags.c_contiguous:
+            raise ProtocolError(explain("chunk", (m, str(out.dtype)),
+                                        f"must be contiguous uint32 of <= {CHUNK_WORDS}", "-"))
+        self._enc.update_into(memoryview(_ZEROS)[: 4 * m], out.view(np.uint8).data)
 
 
 def keystream(key: bytes, nbytes: int, *, counter: int = 0, nonce: bytes = bytes(12)) -> bytes:
@@ -57,8 +92,5 @@ def mask_words(key: bytes, length: int) -> NDArray[np.uint32]:
     ProtocolError
         If ``length`` is negative or exceeds one key's keystream (:data:`MAX_WORDS`).
     """
-    if not 0 <= length <= MAX_WORDS:
-        raise ProtocolError(
-            explain("mask length", length, f"must be in [0, {MAX_WORDS}]", "split the vector")
-        )
+    _check_length(length)
     return np.frombuffer(keystream(key, 4 * length), dtype="<u4").astype(np.uint32, copy=False)
