@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import ssl
@@ -301,6 +302,14 @@ def test_client_without_the_ca_cannot_connect(federation: Federation, tmp_path: 
     assert "CERTIFICATE_VERIFY_FAILED" in text or "certificate verify failed" in text, text
 
 
+def _stop_run(fed: Federation, stdout: str | bytes | None) -> None:
+    """``flwr stop`` the run ``flwr run`` started, so it does not overlap the next one."""
+    text = stdout.decode(errors="replace") if isinstance(stdout, bytes) else (stdout or "")
+    match = re.search(r"Successfully started run (\d+)", text)
+    if match:
+        fed.flwr("stop", match.group(1), "fedagg", timeout=60)
+
+
 @pytest.mark.parametrize(("strategy", "extra"), STRATEGIES)
 def test_two_rounds_improve_the_model(federation: Federation, strategy: str, extra: str) -> None:
     fed = federation
@@ -310,8 +319,15 @@ def test_two_rounds_improve_the_model(federation: Federation, strategy: str, ext
     run_config = (f'run.rounds=2 run.sites={len(SITES)} run.output_dir="{out}" '
                   f'strategy.name="{strategy}" {extra}').strip()
     t0 = time.perf_counter()
-    res = fed.flwr("run", ".", "fedagg", "--stream", "--run-config", run_config, timeout=480)
-    fed.procs.remember_descendants()
+    try:
+        res = fed.flwr("run", ".", "fedagg", "--stream", "--run-config", run_config, timeout=480)
+    except subprocess.TimeoutExpired as exc:
+        _stop_run(fed, exc.stdout)
+        raise
+    finally:
+        fed.procs.remember_descendants()
+    if res.returncode != 0:
+        _stop_run(fed, res.stdout)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     files: list[Path] = []
     records: list[dict[str, object]] = []
