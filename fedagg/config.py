@@ -91,6 +91,13 @@ class RunSection(_Section):
         description="Deadline of round 1 (cold start: process start-up, data loading); "
         "None = run.round_timeout.",
     )
+    wait_for_sites: float = Field(
+        600.0,
+        ge=0,
+        description="Before round 1, wait up to this many seconds for run.sites sites to "
+        "connect (deployment: SuperNodes start at their own pace); then go on with those "
+        "connected, if at least run.min_sites.",
+    )
     retries: int = Field(
         0, ge=0, le=10,
         description="Re-send a round's message to a site whose reply was a transient error, "

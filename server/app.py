@@ -27,7 +27,8 @@ _log = logging.getLogger(__name__)
 
 def config_from_run_config(run_config: Any) -> RunConfig:
     """Flower's flat run config -> validated :class:`RunConfig`."""
-    flat = {str(k): v for k, v in dict(run_config).items()}
+    # pyproject declares every key (Flower refuses undeclared overrides); "" means unset
+    flat = {str(k): v for k, v in dict(run_config).items() if v != ""}
     cfg: RunConfig = validate_model(RunConfig, unflatten(flat))
     return cfg
 
@@ -45,8 +46,12 @@ def new_run_dir(cfg: RunConfig) -> Path:
     return path
 
 
-def make_app(cfg: RunConfig | None = None, run_dir: str | Path | None = None, *,
-             on_round: RoundCallback | None = None) -> ServerApp:
+def make_app(
+    cfg: RunConfig | None = None,
+    run_dir: str | Path | None = None,
+    *,
+    on_round: RoundCallback | None = None,
+) -> ServerApp:
     """A ServerApp bound to ``cfg`` (``fedagg simulate``), or reading Flower's run config."""
     server_app = ServerApp()
 

@@ -25,7 +25,7 @@ from flwr.serverapp import Grid
 
 from fedagg.config import RunConfig, config_hash
 from fedagg.data import load_dataset
-from fedagg.errors import CheckpointError, explain
+from fedagg.errors import CheckpointError, ConfigError, explain
 from fedagg.models import build_model, set_weights
 from fedagg.report import atomic_write_bytes, write_metrics, write_plot
 from fedagg.training import evaluate
@@ -47,6 +47,33 @@ def _test_kill_point(rnd: int, phase: str) -> None:
     """Test hook: SIGKILL this process at ``$FEDAGG_TEST_KILL_AT`` (``"<round>:<phase>"``)."""
     if os.environ.get("FEDAGG_TEST_KILL_AT") == f"{rnd}:{phase}":
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def wait_for_sites(grid: Grid, cfg: RunConfig, *, poll: float = 1.0) -> int:
+    """Wait until ``run.sites`` nodes are connected (at most ``run.wait_for_sites`` s).
+
+    Returns the number connected. Fewer than ``run.min_sites`` after the wait is an error.
+    """
+    deadline = time.monotonic() + cfg.run.wait_for_sites
+    while True:
+        n = len(list(grid.get_node_ids()))
+        if n >= cfg.run.sites or time.monotonic() >= deadline:
+            break
+        _log.info("waiting for sites: %d of %d connected", n, cfg.run.sites)
+        time.sleep(poll)
+    if n < cfg.run.min_sites:
+        raise ConfigError(
+            explain(
+                "run.min_sites",
+                cfg.run.min_sites,
+                f"only {n} site(s) connected within run.wait_for_sites = "
+                f"{cfg.run.wait_for_sites} s",
+                "start more SuperNodes, raise run.wait_for_sites or lower run.min_sites",
+            )
+        )
+    if n < cfg.run.sites:
+        _log.warning("starting with %d of %d sites (run.wait_for_sites elapsed)", n, cfg.run.sites)
+    return n
 
 
 def round_deadline(cfg: RunConfig, rnd: int) -> float:
@@ -162,6 +189,7 @@ def run_server(
             strategy_state=state_fn() if callable(state_fn) else None,
         )
 
+    wait_for_sites(grid, cfg)
     if start == 1:
         checkpoint(0)
     for rnd in range(start, cfg.run.rounds + 1):

@@ -7,6 +7,7 @@ import time
 import uuid
 
 import numpy as np
+import pytest
 from flwr.app import Array, ArrayRecord, Error, Message, Metadata, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
@@ -37,3 +38,21 @@ def train_reply(node_id: int, arrays: list[np.ndarray], num_examples: float,
     rec = ArrayRecord({k: Array(np.ascontiguousarray(a)) for k, a in zip(names, arrays, strict=True)})
     return reply_message(node_id, RecordDict({"arrays": rec, "metrics": MetricRecord(
         {"num-examples": num_examples, **metrics})}))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Group heavy tests for ``pytest -n 2 --dist loadgroup`` (see pyproject addopts).
+
+    Flower simulation runs (each starts a Ray cluster) run one after another in one worker,
+    deployment tests (real SuperLink / SuperNodes, mostly waiting on 3 s polls) in another, and
+    the kill / resume tests share their module fixture in a third group; everything else is
+    spread freely.
+    """
+    for item in items:
+        if item.get_closest_marker("deploy"):
+            item.add_marker(pytest.mark.xdist_group("deploy"))
+        elif item.get_closest_marker("flower"):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+        elif item.path.name == "test_resume.py":
+            item.add_marker(pytest.mark.xdist_group("resume"))

@@ -86,3 +86,14 @@ def test_pyproject_run_config_is_valid() -> None:
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())
     cfg = config_from_run_config(data["tool"]["flwr"]["app"]["config"])
     assert isinstance(cfg, RunConfig) and cfg.run.sites == 5
+
+
+def test_pyproject_declares_every_run_config_key() -> None:
+    """Flower refuses `flwr run --run-config` keys that pyproject does not declare."""
+    import tomllib
+
+    from fedagg.config import flatten
+
+    declared = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"])
+    expected = set(flatten(RunConfig().model_dump(mode="json"))) - {"strategy.options"}
+    assert declared == expected, f"missing: {expected - declared}; unknown: {declared - expected}"
