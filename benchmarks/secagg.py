@@ -25,7 +25,9 @@ bytes are what it measured). Nothing runs in parallel; the figures are compute:
 * ``site s``: per site, the sum over its ClientApp calls in the round (median over sites);
 * ``round s``: ``server s + site s`` (sites run in parallel in a real federation);
 * ``exchanges``: server -> sites -> server trips in the round;
-* ``up/site``: serialised bytes of one site's replies in the round, relative to 4·D (fp32).
+* ``up/site``: serialised bytes of one site's replies in the round, relative to 4·D (fp32);
+  the ratio table also divides fedagg secure's by plain FedAvg's real reply (fp32 model plus
+  metrics and Flower headers), the fp32 baseline a FedAvg deployment actually uploads.
 
 Medians over ``--rounds`` steady-state rounds (``--big-rounds`` when N·D >= 5·10^7; fedagg
 secure: after its key-setup round, which is reported separately; Flower's SecAgg+ runs its
@@ -299,13 +301,15 @@ def table(results: dict[tuple[int, int], dict[str, Any]]) -> str:
 def ratios(results: dict[tuple[int, int], dict[str, Any]]) -> str:
     """Speed-up and overhead ratios per configuration."""
     lines = ["| N | D | k, t | Flower SecAgg+ / fedagg secure (round s) | fedagg secure / "
-             "plain FedAvg (round s) | fedagg secure up/site (x fp32) |", "|---|---|---|---|---|---|"]
+             "plain FedAvg (round s) | fedagg secure up/site (x fp32) | fedagg secure up/site "
+             "(x plain FedAvg reply) |", "|---|---|---|---|---|---|---|"]
     for (n, dim), res in results.items():
         sec = _med(res["secure"], "round")
         fl = f"{_med(res['flower'], 'round') / sec:.1f}x" if "flower" in res else "-"
         lines.append(f"| {n} | {dim:,} | {res['k']}, {res['t']} | {fl} | "
                      f"{sec / _med(res['fedavg'], 'round'):.2f}x | "
-                     f"{_med(res['secure'], 'up_site') / (4 * dim):.4f} |")
+                     f"{_med(res['secure'], 'up_site') / (4 * dim):.4f} | "
+                     f"{_med(res['secure'], 'up_site') / _med(res['fedavg'], 'up_site'):.4f} |")
     return "\n".join(lines)
 
 
