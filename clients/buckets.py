@@ -191,7 +191,9 @@ class GradReducer:
         if overlap:
             for i, p in enumerate(self.params):
                 self._hooks.append(
-                    p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
+                    p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                        functools.partial(self._on_grad, i)
+                    )
                 )
             self._thread = threading.Thread(target=self._comm_loop, name=f"fedagg-reducer{comm.rank}",
                                             daemon=True)
@@ -298,7 +300,7 @@ class GradReducer:
 
     def _mark_ready(self, b: _Bucket) -> None:
         if self._cuda:
-            b.event = torch.cuda.Event()
+            b.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             b.event.record()
         b.ready.set()
 

@@ -201,7 +201,8 @@ def secure_mod(msg: Message, context: Context, call_next: CallNext) -> Message:
         return call_next(msg, context)
     site, params = _params(msg)
     request = unpack(msg.content, RoundRequest)
-    reply = call_next(Message(content=strip(msg.content), metadata=msg.metadata), context)
+    reply = call_next(Message(content=strip(msg.content), metadata=msg.metadata),  # type: ignore[call-overload]
+                      context)
     if reply.has_error():
         return reply
     inject_faults(SiteSettings.from_message(msg, context), "upload")

@@ -68,7 +68,7 @@ class SiteSettings:
         node: NodeConfig = validate_model(NodeConfig, raw_node, prefix=f"node {node_id}: node_config.")
         config = message.content.config_records.get("config")
         flat: dict[str, Any] = dict(config) if config is not None else {}
-        server_round = int(flat.pop("server-round", 0))  # type: ignore[arg-type]
+        server_round = int(flat.pop("server-round", 0))
         nested = record_to_config(flat)
         site = dict(nested.get("site", {}))
         for key in ("workers", "mode", "algorithm"):

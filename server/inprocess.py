@@ -137,7 +137,8 @@ class InProcessGrid(Grid):
             msg, size = wire_roundtrip(msg)
             self.bytes_down += size
         else:  # isolate the node from the server's objects without serialising
-            msg = Message(content=_isolate(msg.content), metadata=copy.copy(msg.metadata))
+            msg = Message(content=_isolate(msg.content),  # type: ignore[call-overload]
+                          metadata=copy.copy(msg.metadata))
         context = copy.deepcopy(self.contexts[node])
         t0 = time.perf_counter()
         try:
@@ -161,7 +162,7 @@ def _isolate(content: RecordDict) -> RecordDict:
         if isinstance(rec, ArrayRecord):
             out[key] = ArrayRecord(dict(rec.items()))
         else:
-            out[key] = type(rec)(copy.deepcopy(dict(rec)))
+            out[key] = type(rec)(copy.deepcopy(dict(rec)))  # type: ignore[arg-type]
     return out
 
 

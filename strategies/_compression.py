@@ -170,8 +170,9 @@ def shared_support(spec: str, *, run_seed: int, server_round: int,
 
 def flat_difference(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> np.ndarray:
     """``concat(a) - concat(b)`` in float32 (the public aggregate of one round)."""
-    return (np.concatenate([np.asarray(x, np.float32).ravel() for x in a])
-            - np.concatenate([np.asarray(x, np.float32).ravel() for x in b])).astype(np.float32)
+    out: np.ndarray = (np.concatenate([np.asarray(x, np.float32).ravel() for x in a])
+                       - np.concatenate([np.asarray(x, np.float32).ravel() for x in b]))
+    return out.astype(np.float32)
 
 
 # -- downward ---------------------------------------------------------------------------------
@@ -281,7 +282,7 @@ class Instruction:
         if not isinstance(enc, list) or not all(isinstance(i, int) for i in enc):
             raise ProtocolError(explain(f"{INSTRUCTION_KEY}.down-encoded", enc,
                                         "must be a list of ints", "upgrade fedagg"))
-        return cls(up=get("up", str), down=get("down", str), down_encoded=list(enc),
+        return cls(up=get("up", str), down=get("down", str), down_encoded=[int(e) for e in enc],
                    run_seed=get("run-seed", int), server_round=get("server-round", int),
                    previous_round=get("previous-round", int), namespace=get("namespace", str))
 

@@ -198,10 +198,10 @@ class CompressedFedAvg(FedAvg):
             raise UpdateRejected(explain(f"{site}.metrics.server-round", echoed,
                                          f"must be the current round {self._sent_round}",
                                          "stale reply from an earlier round: it is never aggregated"))
-        weight = mrecs[0].get(self.weighted_by_key) if len(mrecs) == 1 else None
-        if not (isinstance(weight, int | float) and not isinstance(weight, bool)
-                and math.isfinite(weight) and weight > 0):
-            raise UpdateRejected(explain(f"{site}.metrics.{self.weighted_by_key}", weight,
+        raw_weight = mrecs[0].get(self.weighted_by_key) if len(mrecs) == 1 else None
+        if not (isinstance(raw_weight, int | float) and not isinstance(raw_weight, bool)
+                and math.isfinite(raw_weight) and raw_weight > 0):
+            raise UpdateRejected(explain(f"{site}.metrics.{self.weighted_by_key}", raw_weight,
                                          "one MetricRecord with a finite number > 0",
                                          "report the number of examples used for training"))
         numel = sum(int(r.size) for r in reference)
@@ -234,7 +234,7 @@ class CompressedFedAvg(FedAvg):
                                              f"must be <= strategy.max_update_norm = "
                                              f"{self.max_update_norm}",
                                              "check the site, or raise strategy.max_update_norm"))
-        return delta, float(weight), mrecs[0]
+        return delta, float(raw_weight), mrecs[0]
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
