@@ -57,8 +57,3 @@ def child_pids() -> set[int]:
             out.add(int(d.name))
     return out
 
-
-def site_tempdirs(name: str) -> list[Path]:
-    import tempfile
-
-    return sorted(Path(tempfile.gettempdir()).glob(f"fedagg-{name}-*"))

@@ -33,9 +33,11 @@ def test_micro_batches_with_one_all_reduce_equal_the_large_batch_step(
 ) -> None:
     x, y = _data()
     expected = _large_batch_grads(x, y)
+    # built here: seeded construction uses torch's global RNG, which threads would share
+    models = [build_model("mlp", (1, 8, 8), 10, seed=3) for _ in range(k)]
 
     def worker(comm):  # type: ignore[no-untyped-def]
-        model = build_model("mlp", (1, 8, 8), 10, seed=3)
+        model = models[comm.rank]
         red = GradReducer(model.parameters(), comm, algorithm="ring", overlap=overlap,
                           bucket_bytes=20_000)
         loss_fn = nn.CrossEntropyLoss(reduction="sum")
@@ -71,8 +73,9 @@ def test_skipping_the_sync_would_be_caught() -> None:
 
 
 def test_buckets_follow_reverse_parameter_order_and_size() -> None:
+    model = build_model("mlp", (1, 8, 8), 10, seed=3)  # params: 64x128, 128, 128x64, 64, 64x10, 10
+
     def worker(comm):  # type: ignore[no-untyped-def]
-        model = build_model("mlp", (1, 8, 8), 10, seed=3)  # params: 64x128, 128, 128x64, 64, 64x10, 10
         red = GradReducer(model.parameters(), comm, bucket_bytes=35_000)
         out = [b.params for b in red.buckets]
         red.close()

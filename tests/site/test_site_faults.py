@@ -7,9 +7,10 @@ run config (``[faults] kill_worker / hang_worker``), i.e. the same path a drill 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
-from _site_helpers import child_pids, initial_weights, settings, site_tempdirs
+from _site_helpers import child_pids, initial_weights, settings
 
 from clients.site import run_site
 from fedagg.errors import WorkerError
@@ -24,8 +25,15 @@ def _fault_settings(mode: str, kind: str, *, server_round: int = 1, timeout: flo
     )
 
 
+@pytest.fixture
+def job_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Worker job directories of this test only (must be empty after every round)."""
+    monkeypatch.setenv("FEDAGG_SITE_TMPDIR", str(tmp_path))
+    return tmp_path
+
+
 @pytest.mark.gloo
-def test_killed_worker_process_fails_the_site_and_next_round_is_clean() -> None:
+def test_killed_worker_process_fails_the_site_and_next_round_is_clean(job_root: Path) -> None:
     before = child_pids()
     s = _fault_settings("process", "kill")
     w0 = initial_weights(s)
@@ -36,7 +44,7 @@ def test_killed_worker_process_fails_the_site_and_next_round_is_clean() -> None:
     assert "killed by signal SIGKILL" in text and "round 1 (process mode)" in text
     assert "Fix:" in text
     assert child_pids() <= before, "worker processes left behind"
-    assert site_tempdirs("site-1") == []
+    assert list(job_root.iterdir()) == []
     # the next round (no fault there) starts fresh workers and succeeds
     up = run_site(_fault_settings("process", "kill", server_round=2), w0)
     assert up.metrics["workers"] == 2 and up.num_examples == 300
@@ -44,7 +52,7 @@ def test_killed_worker_process_fails_the_site_and_next_round_is_clean() -> None:
 
 
 @pytest.mark.gloo
-def test_hung_worker_process_is_detected_within_the_timeout() -> None:
+def test_hung_worker_process_is_detected_within_the_timeout(job_root: Path) -> None:
     before = child_pids()
     s = _fault_settings("process", "hang", timeout=8.0)
     t0 = time.monotonic()
@@ -55,7 +63,7 @@ def test_hung_worker_process_is_detected_within_the_timeout() -> None:
     assert "'compute' at step 2" in text  # the hung one, not its peer that waits for it
     assert time.monotonic() - t0 < 8.0 + 120.0 + 30.0  # timeout + startup allowance + margin
     assert child_pids() <= before
-    assert site_tempdirs("site-1") == []
+    assert list(job_root.iterdir()) == []
 
 
 def test_failed_inprocess_worker_names_the_root_cause() -> None:
