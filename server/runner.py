@@ -234,6 +234,9 @@ def run_server(
             )  # secure aggregation: counted, dropped, error bound
         for phase, sec in result.seconds.items():
             rec[f"seconds_{phase}"] = sec
+        site_metrics = getattr(strategy, "last_site_metrics", None)
+        if site_metrics:  # per site (by partition id): compute / comm seconds, bytes all-reduced, ...
+            rec["site_metrics"] = dict(site_metrics)
         accepted = getattr(strategy, "last_accepted", None)
         if accepted is not None:
             rec["sites"] = list(accepted)

@@ -52,7 +52,7 @@ from strategies._compression import (
     stage_names,
 )
 from strategies._records import arrays_to_record
-from strategies.fedavg import FedAvg, partition_of, validate_reply
+from strategies.fedavg import FedAvg, _numbers, partition_of, validate_reply
 
 __all__ = ["CompressedFedAvg"]
 
@@ -255,6 +255,7 @@ class CompressedFedAvg(FedAvg):
             good.append((delta, weight, metrics, reply))
         good.sort(key=lambda g: (g[2].get("partition-id", -1), g[3].metadata.src_node_id))
         self.last_accepted = [partition_of(g[2]) for g in good]
+        self.last_site_metrics = {str(partition_of(g[2])): _numbers(g[2]) for g in good}
         if len(good) < self.min_sites:
             _log.warning("round %d: %d valid updates < min_sites=%d; global model unchanged",
                          server_round, len(good), self.min_sites)

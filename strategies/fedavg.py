@@ -39,6 +39,11 @@ __all__ = ["FedAvg", "partition_of", "validate_reply"]
 _log = logging.getLogger(__name__)
 
 
+def _numbers(metrics: MetricRecord) -> dict[str, float]:
+    """The scalar entries of a site's MetricRecord (per-site metrics for metrics.json)."""
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+
+
 def partition_of(metrics: MetricRecord) -> int:
     """The ``partition-id`` a site reported (-1 when absent or not a number)."""
     value = metrics.get("partition-id", -1)
@@ -116,6 +121,7 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
         self.last_rejected: dict[str, str] = {}
         self.retries = 0
         self.last_accepted: list[int] = []
+        self.last_site_metrics: dict[str, dict[str, float]] = {}
         self._global: tuple[list[str], list[np.ndarray]] | None = None
 
     @classmethod
@@ -187,6 +193,7 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
             good.append((arrays, weight, metrics, reply))
         good.sort(key=lambda g: (g[2].get("partition-id", -1), g[3].metadata.src_node_id))
         self.last_accepted = [partition_of(g[2]) for g in good]
+        self.last_site_metrics = {str(partition_of(g[2])): _numbers(g[2]) for g in good}
         return good
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
