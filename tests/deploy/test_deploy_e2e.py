@@ -27,6 +27,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import ssl
@@ -40,7 +41,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
+# Flower's console scripts next to this interpreter (a venv), else wherever PATH finds them.
+BIN = (Path(sys.executable).parent if (Path(sys.executable).parent / "flower-superlink").exists()
+       else Path(shutil.which("flower-superlink") or "flower-superlink").parent)
 SITES = ["site-a", "site-b", "site-c"]
 ROGUE = "rogue"  # has a key pair, never registered
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -20,8 +22,9 @@ def _data(n: int = 40) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g)
 
 
-def _large_batch_grads(x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
-    model = build_model("mlp", (1, 8, 8), 10, seed=3)
+def _large_batch_grads(x: torch.Tensor, y: torch.Tensor,
+                       model: nn.Module | None = None) -> list[torch.Tensor]:
+    model = copy.deepcopy(model) if model is not None else build_model("mlp", (1, 8, 8), 10, seed=3)
     nn.CrossEntropyLoss()(model(x), y).backward()
     return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
 
@@ -32,9 +35,11 @@ def test_micro_batches_with_one_all_reduce_equal_the_large_batch_step(
     k: int, m: int, overlap: bool
 ) -> None:
     x, y = _data()
-    expected = _large_batch_grads(x, y)
-    # built here: seeded construction uses torch's global RNG, which threads would share
-    models = [build_model("mlp", (1, 8, 8), 10, seed=3) for _ in range(k)]
+    # one model, copied: seeded construction uses torch's global RNG, which a thread left
+    # over from another test in this process (e.g. a hung in-process worker) could advance
+    base = build_model("mlp", (1, 8, 8), 10, seed=3)
+    expected = _large_batch_grads(x, y, base)
+    models = [copy.deepcopy(base) for _ in range(k)]
 
     def worker(comm):  # type: ignore[no-untyped-def]
         model = models[comm.rank]
