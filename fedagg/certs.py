@@ -41,7 +41,6 @@ import ipaddress
 import logging
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +51,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fedagg.errors import ConfigError, explain
+from fedagg.report import atomic_write_bytes
 
 __all__ = [
     "CertFiles",
@@ -327,18 +327,7 @@ def _mkdir_private(path: Path) -> None:
 def _write(path: Path, data: bytes, mode: int) -> None:
     """Write ``data`` atomically with ``mode`` (set on the temp file before any byte lands)."""
     _mkdir_private(path.parent)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    os.chmod(path, mode)
+    atomic_write_bytes(path, data, mode=mode)
 
 
 def create_certs(out: str | Path, sans: Sequence[str], sites: str | Iterable[str], *,

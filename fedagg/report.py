@@ -18,12 +18,18 @@ from typing import Any
 __all__ = ["atomic_write_bytes", "write_metrics", "write_plot"]
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temp file in the same directory, fsync, rename)."""
+def atomic_write_bytes(path: str | Path, data: bytes, *, mode: int | None = None) -> None:
+    """Write ``data`` to ``path`` atomically (temp file in the same directory, fsync, rename).
+
+    With ``mode``, the permissions are set on the temporary file before any byte lands (for
+    private keys), and again on the final path.
+    """
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
     try:
+        if mode is not None:
+            os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
@@ -32,6 +38,8 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    if mode is not None:
+        os.chmod(p, mode)
     dir_fd = os.open(p.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
