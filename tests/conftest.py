@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +19,22 @@ os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
 TaskIdentity.run_id = 1
 TaskIdentity.node_id = 0
 TaskIdentity.task_id = 1
+
+
+def process_cmdlines() -> dict[int, str]:
+    """``{pid: command line}`` of every live process other than this one (from /proc).
+
+    Tests use it to find the processes they started (matched by a private temp path in the
+    command line) and to check that none are left behind.
+    """
+    out: dict[int, str] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                out[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+    return out
 
 
 def reply_message(node_id: int, content: RecordDict | None = None, *, error: str | None = None,

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import process_cmdlines
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,16 +20,7 @@ pytestmark = [pytest.mark.flower, pytest.mark.slow]
 
 def _pids_using(marker: str) -> list[int]:
     """PIDs of processes whose command line mentions ``marker`` (our private FLWR_HOME)."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if marker in cmd and int(d.name) != os.getpid():
-                out.append(int(d.name))
-    return out
+    return [pid for pid, cmd in process_cmdlines().items() if marker in cmd]
 
 
 def test_flwr_run_local_simulation(tmp_path: Path) -> None:

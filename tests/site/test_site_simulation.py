@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import process_cmdlines
 
 # Process mode starts 2 fresh worker processes per site and round (each imports torch): ~1-2
 # minutes on an idle 2-core machine, ~4 minutes at load average 20.
@@ -42,16 +43,8 @@ def _simulate(tmp_path: Path, *overrides: str) -> tuple[list[dict[str, object]],
 
 def _workers_of(path: Path) -> list[str]:
     """Command lines of live processes that mention ``path`` (site workers of this run)."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if "clients.worker" in cmd and str(path) in cmd:
-                out.append(f"{d.name}: {cmd}")
-    return out
+    return [f"{pid}: {cmd}" for pid, cmd in process_cmdlines().items()
+            if "clients.worker" in cmd and str(path) in cmd]
 
 
 def test_process_mode_sites_with_a_killed_worker(tmp_path: Path) -> None:
