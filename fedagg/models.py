@@ -1,6 +1,8 @@
 """Small reference models, chosen by name.
 
 ``mlp``  two hidden layers (LeCun-style multilayer perceptron) over flattened pixels.
+``2nn``  McMahan et al.'s "2NN": two hidden layers of 200 ReLU units (784-200-200-10 on
+         28x28 images, 199,210 parameters), the standard FL baseline for (Fashion-)MNIST.
 ``cnn``  two 3x3 convolutions + a linear classifier (a LeNet-5-like network, LeCun et al. 1998).
 ``logreg`` multinomial logistic regression (a linear layer), useful for exact-math tests.
 """
@@ -31,6 +33,26 @@ def _mlp(input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
     )
 
 
+def _two_nn(input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
+    """The "2NN" of McMahan et al. (2017), Sec. 3: 2 hidden layers of 200 units with ReLU.
+
+    References
+    ----------
+    .. [McMahan2017] H. B. McMahan, E. Moore, D. Ramage, S. Hampson, B. Agüera y Arcas.
+       "Communication-Efficient Learning of Deep Networks from Decentralized Data".
+       AISTATS 2017.
+    """
+    c, h, w = input_shape
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(c * h * w, 200),
+        nn.ReLU(),
+        nn.Linear(200, 200),
+        nn.ReLU(),
+        nn.Linear(200, num_classes),
+    )
+
+
 def _cnn(input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
     c, h, w = input_shape
     pool = 2 if min(h, w) >= 16 else 1
@@ -54,6 +76,7 @@ def _logreg(input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
 
 MODELS: dict[str, Callable[[tuple[int, int, int], int], nn.Module]] = {
     "mlp": _mlp,
+    "2nn": _two_nn,
     "cnn": _cnn,
     "logreg": _logreg,
 }
