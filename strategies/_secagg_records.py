@@ -51,7 +51,8 @@ SECAGG_KEYS = (CONFIG_KEY, ARRAYS_KEY, PARAMS_KEY)
 
 M = TypeVar("M", bound=SecAggMessage)
 
-_PARAM_FIELDS = ("threshold", "num_neighbours", "clip", "frac_bits", "weight_scale")
+_PARAM_FIELDS = ("threshold", "num_neighbours", "clip", "frac_bits", "ring_bits", "precision",
+                 "weight_scale")
 
 
 def dict_to_records(data: MessageDict) -> tuple[ConfigRecord, ArrayRecord]:

@@ -115,11 +115,12 @@ def resolve_params(sec: SecAggConfig, num_sites: int, *, upload_timeout: float =
     k = SecAggParams(threshold=1, num_neighbours=sec.neighbours).neighbours_for(num_sites)
     t = sec.resolve_threshold(k)
     params = SecAggParams(threshold=t, num_neighbours=sec.neighbours, clip=sec.clip,
-                          frac_bits=sec.frac_bits, weight_scale=sec.weight_scale,
+                          frac_bits=sec.frac_bits, ring_bits=sec.ring_bits,
+                          precision=sec.precision, weight_scale=sec.weight_scale,
                           setup_timeout_s=sec.timeout, upload_timeout_s=upload_timeout,
                           unmask_timeout_s=sec.timeout)
     params.neighbours_for(num_sites)
-    params.frac_bits_for(num_sites)
+    params.encoding_for(num_sites)
     return params
 
 

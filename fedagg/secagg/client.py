@@ -25,7 +25,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from fedagg.errors import AbortRound, ConfigError, ProtocolError, VerificationError, explain
-from fedagg.secagg import fixed_point, shamir
+from fedagg.secagg import fixed_point, packing, shamir
 from fedagg.secagg.graph import graph_seed, harary_graph
 from fedagg.secagg.keys import (
     KEY_BYTES,
@@ -300,7 +300,7 @@ class ClientState:
         values = np.asarray(update, dtype=np.float64).reshape(-1)
         if values.size != request.dim:
             raise ProtocolError(explain("update size", values.size, f"must be {request.dim}", "-"))
-        frac_bits = self.params.frac_bits_for(len(participants))
+        frac_bits, ring_bits = self.params.encoding_for(len(participants))
         weight_q = fixed_point.quantize_weight(float(weight), self.params.weight_scale, frac_bits)
         vector = fixed_point.encode(
             values, weight_q, frac_bits=frac_bits, clip=self.params.clip, rng=rng
@@ -351,7 +351,7 @@ class ClientState:
             site=self.site,
             epoch=self.epoch,
             round=self.round,
-            masked=vector,
+            masked=packing.pack(vector, ring_bits),
             b_commitment=commit_seed(
                 seed,
                 run_id=self.run_id,

@@ -1,17 +1,31 @@
-"""Fixed-point encoding of weighted updates into the ring ``Z_2^32``.
+"""Fixed-point encoding of weighted updates into the ring ``Z_2^b`` (``b <= 32``).
 
 A site with update ``x`` (clipped to ``[-clip, clip]``) and weight ``w`` encodes the vector
 ``[w_q * x, w_q]`` where ``w_q = round(w / weight_scale * 2^f) / 2^f`` is its weight in
 ``[0, 1]`` quantised to ``f`` fractional bits (``weight_scale`` is a public upper bound on a
 site's weight). The values are scaled by ``2^f`` and rounded *stochastically* (unbiased: the
-expected encoding is exact), then reduced mod ``2^32`` (two's complement). The server
+expected encoding is exact), then reduced mod ``2^b`` (two's complement). The server
 recovers ``sum w_q x`` and ``sum w_q`` and divides, so FedAvg stays exact up to quantisation.
 
-Headroom: the sum of ``N`` encodings must not wrap, so ``N * (max(clip, 1) * 2^f + 1)`` must be
-at most ``2^31 - 1``. :func:`resolve_frac_bits` picks the largest ``f`` that fits (or checks an
-explicit one) and explains which parameter to change when nothing fits. The approach is the
-fixed-point encoding of Bonawitz et al. (CCS 2017, section 3) with the unbiased stochastic
-rounding of Gupta et al., "Deep Learning with Limited Numerical Precision", ICML 2015.
+Two rules fix ``f`` and the ring width ``b``:
+
+* **precision**: the worst-case absolute error of the decoded mean when every counted site has
+  full weight is ``2^-f * (1 + clip)`` (:func:`error_bound`); ``f_p`` is the fewest fractional
+  bits with ``2^-f * (1 + clip) <= precision`` (:func:`frac_bits_for_precision`);
+* **headroom**: the sum of ``N`` encodings must not wrap, so
+  ``N * (max(clip, 1) * 2^f + 1) <= 2^(b-1) - 1`` (:func:`fits`), i.e. ``b`` is about
+  ``1 + f + ceil(log2(N * max(clip, 1)))`` bits.
+
+:func:`resolve_encoding` applies them: with ``frac_bits`` and ``ring_bits`` both unset it takes
+``f = f_p`` and the smallest ``b`` with headroom; when that ``b`` would exceed 32 it keeps
+``b = 32`` and takes the most fractional bits that fit (the precision target is then missed,
+and :func:`error_bound` reports the real bound). An explicit value is checked, and impossible
+combinations are explained. Masked values travel bit-packed at ``b`` bits
+(:mod:`fedagg.secagg.packing`).
+
+The approach is the fixed-point encoding of Bonawitz et al. (CCS 2017, section 3) with the
+unbiased stochastic rounding of Gupta et al., "Deep Learning with Limited Numerical
+Precision", ICML 2015.
 """
 
 from __future__ import annotations
@@ -25,14 +39,19 @@ from numpy.typing import NDArray
 from fedagg.errors import AbortRound, ConfigError, UpdateRejected, explain
 
 __all__ = [
+    "DEFAULT_PRECISION",
     "MAX_FRAC_BITS",
+    "MAX_RING_BITS",
     "MIN_FRAC_BITS",
+    "MIN_RING_BITS",
     "RING_LIMIT",
     "decode_sum",
     "encode",
     "error_bound",
     "fits",
+    "frac_bits_for_precision",
     "quantize_weight",
+    "resolve_encoding",
     "resolve_frac_bits",
 ]
 
@@ -40,28 +59,117 @@ RING_LIMIT: Final = 2**31 - 1
 """Largest magnitude a (signed) sum may reach in ``Z_2^32`` without wrapping."""
 MAX_FRAC_BITS: Final = 30
 MIN_FRAC_BITS: Final = 8
+MAX_RING_BITS: Final = 32
+MIN_RING_BITS: Final = 8
+DEFAULT_PRECISION: Final = 1e-6
+"""Default target for the worst-case absolute error of the mean at full weight."""
 
 
-def fits(num_sites: int, clip: float, frac_bits: int) -> bool:
+def _limit(ring_bits: int) -> int:
+    return (1 << (ring_bits - 1)) - 1
+
+
+def fits(num_sites: int, clip: float, frac_bits: int, ring_bits: int = MAX_RING_BITS) -> bool:
     """Whether ``num_sites`` encodings at ``clip`` and ``frac_bits`` sum without wrapping."""
-    return num_sites * (max(clip, 1.0) * 2.0**frac_bits + 1.0) <= RING_LIMIT
+    return num_sites * (max(clip, 1.0) * 2.0**frac_bits + 1.0) <= _limit(ring_bits)
 
 
-def resolve_frac_bits(num_sites: int, clip: float, frac_bits: int | None) -> int:
-    """The fractional bits to use for ``num_sites`` sites.
+def frac_bits_for_precision(clip: float, precision: float) -> int:
+    """Fewest ``f`` in ``[MIN_FRAC_BITS, MAX_FRAC_BITS]`` with ``2^-f * (1 + clip) <= precision``.
 
-    ``None`` picks the largest value in ``[MIN_FRAC_BITS, MAX_FRAC_BITS]`` with headroom; an
-    explicit value is checked.
+    ``MAX_FRAC_BITS`` when even that is not precise enough.
+    """
+    for f in range(MIN_FRAC_BITS, MAX_FRAC_BITS + 1):
+        if 2.0**-f * (1.0 + clip) <= precision:
+            return f
+    return MAX_FRAC_BITS
+
+
+def _best_frac(num_sites: int, clip: float, ring_bits: int) -> int | None:
+    for f in range(MAX_FRAC_BITS, MIN_FRAC_BITS - 1, -1):
+        if fits(num_sites, clip, f, ring_bits):
+            return f
+    return None
+
+
+def _smallest_ring(num_sites: int, clip: float, frac_bits: int) -> int | None:
+    for b in range(MIN_RING_BITS, MAX_RING_BITS + 1):
+        if fits(num_sites, clip, frac_bits, b):
+            return b
+    return None
+
+
+def resolve_encoding(
+    num_sites: int,
+    clip: float,
+    frac_bits: int | None,
+    ring_bits: int | None = None,
+    precision: float = DEFAULT_PRECISION,
+) -> tuple[int, int]:
+    """``(frac_bits, ring_bits)`` for a round with ``num_sites`` sites.
+
+    ``None`` means auto (see the module docstring): ``frac_bits=None`` with an explicit
+    ``ring_bits`` takes the most fractional bits that fit that ring; ``ring_bits=None`` takes
+    the smallest ring (at least :data:`MIN_RING_BITS`) with headroom for ``frac_bits``; both
+    ``None`` first meet ``precision``, then shrink the ring.
 
     Raises
     ------
     ConfigError
         No value fits: the message names the parameter to change.
     """
-    if frac_bits is None:
-        for f in range(MAX_FRAC_BITS, MIN_FRAC_BITS - 1, -1):
-            if fits(num_sites, clip, f):
-                return f
+    if frac_bits is not None and ring_bits is not None:
+        if not fits(num_sites, clip, frac_bits, ring_bits):
+            best = _best_frac(num_sites, clip, ring_bits)
+            need = _smallest_ring(num_sites, clip, frac_bits)
+            raise ConfigError(
+                explain(
+                    "secagg.frac_bits",
+                    frac_bits,
+                    f"{num_sites} sites * max(clip={clip}, 1) * 2^frac_bits must be < "
+                    f"2^(ring_bits - 1) = 2^{ring_bits - 1} (headroom of the {ring_bits}-bit ring)",
+                    (f"use frac_bits <= {best}" if best is not None else "lower secagg.clip")
+                    + (f", ring_bits >= {need}" if need is not None else "")
+                    + ", or leave either unset (auto)",
+                )
+            )
+        return frac_bits, ring_bits
+    if ring_bits is not None:
+        f = _best_frac(num_sites, clip, ring_bits)
+        if f is None:
+            raise ConfigError(
+                explain(
+                    "secagg.ring_bits",
+                    ring_bits,
+                    f"with {num_sites} sites and clip={clip} even {MIN_FRAC_BITS} fractional "
+                    f"bits overflow the {ring_bits}-bit ring (sites * max(clip, 1) * "
+                    "2^frac_bits must be < 2^(ring_bits - 1))",
+                    "raise secagg.ring_bits (at most 32), lower secagg.clip or the number of "
+                    "sites per round",
+                )
+            )
+        return f, ring_bits
+    if frac_bits is not None:
+        b = _smallest_ring(num_sites, clip, frac_bits)
+        if b is None:
+            best = _best_frac(num_sites, clip, MAX_RING_BITS)
+            raise ConfigError(
+                explain(
+                    "secagg.frac_bits",
+                    frac_bits,
+                    f"{num_sites} sites * max(clip={clip}, 1) * 2^frac_bits must be < 2^31 "
+                    "(headroom of the 32-bit ring)",
+                    (f"use frac_bits <= {best}" if best is not None else "lower secagg.clip")
+                    + ", lower secagg.clip, or leave frac_bits unset (auto)",
+                )
+            )
+        return frac_bits, b
+    f = frac_bits_for_precision(clip, precision)
+    b = _smallest_ring(num_sites, clip, f)
+    if b is not None:
+        return f, b
+    best = _best_frac(num_sites, clip, MAX_RING_BITS)
+    if best is None:
         raise ConfigError(
             explain(
                 "secagg.clip",
@@ -71,18 +179,21 @@ def resolve_frac_bits(num_sites: int, clip: float, frac_bits: int | None) -> int
                 "lower secagg.clip or the number of sites per round",
             )
         )
-    if not fits(num_sites, clip, frac_bits):
-        best = math.floor(math.log2(max(RING_LIMIT / num_sites - 1, 1.0) / max(clip, 1.0)))
-        raise ConfigError(
-            explain(
-                "secagg.frac_bits",
-                frac_bits,
-                f"{num_sites} sites * max(clip={clip}, 1) * 2^frac_bits must be < 2^31 "
-                "(headroom of the 32-bit ring)",
-                f"use frac_bits <= {best}, lower secagg.clip, or leave frac_bits unset (auto)",
-            )
-        )
-    return frac_bits
+    return best, MAX_RING_BITS
+
+
+def resolve_frac_bits(num_sites: int, clip: float, frac_bits: int | None) -> int:
+    """The fractional bits for ``num_sites`` sites in the full 32-bit ring.
+
+    ``None`` picks the largest value in ``[MIN_FRAC_BITS, MAX_FRAC_BITS]`` with headroom; an
+    explicit value is checked (same as :func:`resolve_encoding` with ``ring_bits=32``).
+
+    Raises
+    ------
+    ConfigError
+        No value fits: the message names the parameter to change.
+    """
+    return resolve_encoding(num_sites, clip, frac_bits, MAX_RING_BITS)[0]
 
 
 def quantize_weight(weight: float, weight_scale: float, frac_bits: int) -> int:
@@ -117,6 +228,9 @@ def encode(
 ) -> NDArray[np.uint32]:
     """Encode ``[w_q * clip(values), w_q]`` into ``Z_2^32`` with stochastic rounding.
 
+    The result is also the encoding mod ``2^b`` for any ring width ``b <= 32`` (its low ``b``
+    bits): the caller masks in ``uint32`` and packs the low ``b`` bits.
+
     Parameters
     ----------
     values : numpy.ndarray
@@ -150,15 +264,28 @@ def encode(
     return out
 
 
-def decode_sum(total: NDArray[np.uint32], frac_bits: int) -> tuple[NDArray[np.float64], float]:
+def decode_sum(
+    total: NDArray[np.uint32], frac_bits: int, ring_bits: int = MAX_RING_BITS
+) -> tuple[NDArray[np.float64], float]:
     """Decode an unmasked sum into ``(sum w_q x, sum w_q)`` in weight-scale units.
+
+    Only the low ``ring_bits`` bits of ``total`` are read (sign-extended from bit
+    ``ring_bits - 1``); higher bits are ignored.
 
     Raises
     ------
     AbortRound
         The total weight is zero (nothing to average).
     """
-    signed = np.asarray(total, np.uint32).view(np.int32).astype(np.float64) / 2.0**frac_bits
+    t = np.asarray(total, np.uint32)
+    shift = np.uint32(MAX_RING_BITS - ring_bits)
+    if shift:
+        t = np.left_shift(t, shift).view(np.int32)
+        np.right_shift(t, np.int32(shift), out=t)  # arithmetic: sign-extends from bit b - 1
+        signed = t.astype(np.float64)
+    else:
+        signed = t.view(np.int32).astype(np.float64)
+    signed /= 2.0**frac_bits
     total_weight = float(signed[-1])
     if total_weight <= 0:
         raise AbortRound("the counted sites have total weight 0; nothing to average")

@@ -51,8 +51,19 @@ class SecAggParams:
     clip : float
         Update entries are clipped to ``[-clip, clip]`` before encoding.
     frac_bits : int or None
-        Fixed-point fractional bits; ``None`` picks the most that fit the 32-bit ring for the
-        number of sites in the round (see :mod:`fedagg.secagg.fixed_point`).
+        Fixed-point fractional bits; ``None``: auto (see ``ring_bits`` and
+        :func:`fedagg.secagg.fixed_point.resolve_encoding`).
+    ring_bits : int or None
+        Width ``b`` of the ring ``Z_2^b`` the masked values live in (``8 <= b <= 32``); masked
+        uploads travel bit-packed at ``b`` bits per value. ``None``: the smallest ring with
+        headroom for the sites of the round. With both ``frac_bits`` and ``ring_bits`` unset,
+        ``frac_bits`` is the fewest that meet ``precision``; with only ``ring_bits`` set, the
+        most that fit it.
+    precision : float
+        Target worst-case absolute error of the mean when every counted site has full weight
+        (``2^-frac_bits * (1 + clip)``), used when ``frac_bits`` and ``ring_bits`` are unset.
+        When it would need a ring wider than 32 bits, the 32-bit ring with the most fractional
+        bits that fit is used instead (the round reports its real error bound).
     weight_scale : float
         Public upper bound on a site's weight (number of examples); weights are divided by it
         so the encoded weight is in ``[0, 1]``. Keep it close to the real maximum: precision is
@@ -65,6 +76,8 @@ class SecAggParams:
     num_neighbours: int | None = None
     clip: float = 1.0
     frac_bits: int | None = None
+    ring_bits: int | None = None
+    precision: float = fixed_point.DEFAULT_PRECISION
     weight_scale: float = 1.0
     setup_timeout_s: float = 60.0
     upload_timeout_s: float = 600.0
@@ -95,7 +108,7 @@ class SecAggParams:
                         f"use threshold <= {self.num_neighbours} or raise num_neighbours",
                     )
                 )
-        for name in ("clip", "weight_scale", "setup_timeout_s", "upload_timeout_s"):
+        for name in ("clip", "weight_scale", "precision", "setup_timeout_s", "upload_timeout_s"):
             self._check_positive(name)
         self._check_positive("unmask_timeout_s")
         if self.frac_bits is not None:
@@ -109,7 +122,19 @@ class SecAggParams:
                         "leave it unset to pick the most that fit",
                     )
                 )
-            fixed_point.resolve_frac_bits(1, self.clip, self.frac_bits)
+        if self.ring_bits is not None:
+            lo, hi = fixed_point.MIN_RING_BITS, fixed_point.MAX_RING_BITS
+            if not _is_int(self.ring_bits) or not lo <= self.ring_bits <= hi:
+                raise ConfigError(
+                    explain(
+                        "secagg.ring_bits",
+                        self.ring_bits,
+                        f"must be an int in [{lo}, {hi}] or None",
+                        "leave it unset for the smallest ring with headroom",
+                    )
+                )
+        if self.frac_bits is not None or self.ring_bits is not None:
+            fixed_point.resolve_encoding(1, self.clip, self.frac_bits, self.ring_bits)
 
     def _check_positive(self, name: str) -> None:
         value = getattr(self, name)
@@ -149,13 +174,33 @@ class SecAggParams:
             )
         return k
 
+    def encoding_for(self, num_sites: int) -> tuple[int, int]:
+        """``(frac_bits, ring_bits)`` for a round with ``num_sites`` participants.
+
+        Raises
+        ------
+        ConfigError
+            No encoding has headroom (see :func:`fedagg.secagg.fixed_point.resolve_encoding`).
+        """
+        return fixed_point.resolve_encoding(
+            num_sites, self.clip, self.frac_bits, self.ring_bits, self.precision
+        )
+
     def frac_bits_for(self, num_sites: int) -> int:
         """Fractional bits for a round with ``num_sites`` participants (headroom-checked)."""
-        return fixed_point.resolve_frac_bits(num_sites, self.clip, self.frac_bits)
+        return self.encoding_for(num_sites)[0]
 
     def digest(self) -> bytes:
         """SHA-256 of the parameters both sides must agree on (timeouts excluded)."""
         text = repr(
-            (self.threshold, self.num_neighbours, self.clip, self.frac_bits, self.weight_scale)
+            (
+                self.threshold,
+                self.num_neighbours,
+                self.clip,
+                self.frac_bits,
+                self.weight_scale,
+                self.ring_bits,
+                self.precision,
+            )
         )
-        return hashlib.sha256(b"fedagg/secagg/v1/params\x00" + text.encode()).digest()
+        return hashlib.sha256(b"fedagg/secagg/v2/params\x00" + text.encode()).digest()

@@ -26,7 +26,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from fedagg.errors import AbortRound, ConfigError, ProtocolError, VerificationError, explain
-from fedagg.secagg import fixed_point, shamir
+from fedagg.secagg import fixed_point, packing, shamir
 from fedagg.secagg.graph import graph_seed, harary_graph
 from fedagg.secagg.keys import (
     SecretKey,
@@ -84,6 +84,8 @@ class RoundResult:
         Fixed-point fractional bits used in this round.
     error_bound : float
         Worst-case absolute quantisation error of ``mean`` (for clipped inputs).
+    ring_bits : int
+        Width ``b`` of the ring ``Z_2^b`` (bits per masked value on the wire).
     """
 
     epoch: int
@@ -94,6 +96,7 @@ class RoundResult:
     dropped: Ids
     frac_bits: int
     error_bound: float
+    ring_bits: int = fixed_point.MAX_RING_BITS
 
     def __repr__(self) -> str:
         return (
@@ -275,7 +278,7 @@ class ServerState:
             )
         if dim < 1:
             raise ProtocolError(explain("dim", dim, "must be >= 1", "-"))
-        frac_bits = self.params.frac_bits_for(len(part))
+        frac_bits, ring_bits = self.params.encoding_for(len(part))
         self.last_round = round_number
         pset = set(part)
         nbrs = {i: tuple(j for j in self._graph[i] if j in pset) for i in part}
@@ -295,9 +298,11 @@ class ServerState:
             dim,
             frac_bits,
         )
+        self._ring_bits = ring_bits
         self._nbrs = nbrs
         self._used = {i: (self._keys[i].gen, self._keys[i].public) for i in part}
-        self._uploads: dict[int, NDArray[np.uint32]] = {}
+        self._uploads: set[int] = set()
+        self._total: NDArray[np.uint32] | None = None  # running sum, added on arrival
         self._commitments: dict[int, bytes] = {}
         self._b_cts: dict[tuple[int, int], bytes] = {}
         self._responses: dict[int, UnmaskResponse] = {}
@@ -323,8 +328,16 @@ class ServerState:
         i = msg.site
         if i not in self._used or i in self._uploads:
             raise ProtocolError(explain("site", i, "not a participant, or duplicate", "drop it"))
-        if msg.masked.shape != (self._dim + 1,):
-            raise ProtocolError(explain("masked", msg.masked.shape, f"need {self._dim + 1}", "-"))
+        words = packing.packed_words(self._dim + 1, self._ring_bits)
+        if msg.masked.shape != (words,) or msg.masked.dtype != np.uint32:
+            raise ProtocolError(
+                explain(
+                    "masked",
+                    msg.masked.shape,
+                    f"need {words} uint32 words ({self._dim + 1} values of {self._ring_bits} bits)",
+                    "-",
+                )
+            )
         if tuple(msg.b_recipients) != self._nbrs[i] or tuple(msg.next_recipients) != self._graph[i]:
             raise ProtocolError(explain("recipients", "mismatch", "must follow the graph", "-"))
         if msg.next_gen != self._used[i][0] + 1:
@@ -334,7 +347,10 @@ class ServerState:
             raise ProtocolError(explain("b_commitment", len(msg.b_commitment), "need 32", "-"))
         b_cts = split_blob(msg.b_ciphertexts, len(self._nbrs[i]), "b_ciphertexts")
         next_cts = split_blob(msg.next_ciphertexts, len(self._graph[i]), "next_ciphertexts")
-        self._uploads[i] = msg.masked
+        if self._total is None:
+            self._total = np.zeros(self._dim + 1, np.uint32)
+        packing.add_unpacked(self._total, msg.masked, self._ring_bits)
+        self._uploads.add(i)
         self._commitments[i] = msg.b_commitment
         self._b_cts.update({(i, j): ct for j, ct in zip(self._nbrs[i], b_cts, strict=True)})
         self._keys[i] = _MaskKey(
@@ -436,9 +452,9 @@ class ServerState:
             raise AbortRound(
                 f"round {self._round} aborted: fewer than threshold={t} shares for sites {short}"
             )
-        total = np.zeros(self._dim + 1, np.uint32)
-        for vec in self._uploads.values():
-            np.add(total, vec, out=total)
+        total = self._total
+        assert total is not None  # close_uploads refuses a round without uploads
+        self._total = None
         run_id, epoch, rnd = self.run_id, self.epoch, self._round
         self_keys = []
         for i in counted:
@@ -469,7 +485,7 @@ class ServerState:
                 if i in self._uploads
             ]
             add_masks(total, pair_keys)
-        weighted_sum, weight = fixed_point.decode_sum(total, self._frac_bits)
+        weighted_sum, weight = fixed_point.decode_sum(total, self._frac_bits, self._ring_bits)
         bound = fixed_point.error_bound(len(counted), weight, self.params.clip, self._frac_bits)
         logger.debug("server: round %d unmasked (%d counted)", self._round, len(counted))
         return RoundResult(
@@ -481,4 +497,5 @@ class ServerState:
             dropped=tuple(sorted(self._dropped)),
             frac_bits=self._frac_bits,
             error_bound=bound,
+            ring_bits=self._ring_bits,
         )

@@ -16,6 +16,7 @@ from fedagg.secagg import (
     SecAggParams,
     ServerState,
     deterministic_random_bytes,
+    packing,
     run_local,
 )
 from fedagg.secagg import shamir as shamir_mod
@@ -31,10 +32,17 @@ def chi2_top_byte(words: np.ndarray) -> float:
 CHI2_LIMIT = 400.0  # df = 255 (mean 255, sd 22.6): 400 is > 6 sd out
 
 
-def test_single_masked_upload_is_uniform() -> None:
-    """An all-zero update with a weight: its masked upload is indistinguishable from uniform
-    on Z_2^32, while the unmasked encoding is wildly non-uniform (the test can fail)."""
-    params = SecAggParams(threshold=2, weight_scale=1.0)
+def _top_byte_values(values: np.ndarray, bits: int) -> np.ndarray:
+    """Values of Z_2^bits shifted so that their top 8 bits are the top byte of a word."""
+    return (values.astype(np.uint32) << np.uint32(32 - bits)).astype(np.uint32)
+
+
+@pytest.mark.parametrize("ring_bits", [None, 17, 31, 32])
+def test_single_masked_upload_is_uniform(ring_bits: int | None) -> None:
+    """An all-zero update with a weight: its masked upload (unpacked from the wire) is
+    indistinguishable from uniform on Z_2^b, and so are the packed wire words, while the
+    unmasked encoding is wildly non-uniform (the test can fail)."""
+    params = SecAggParams(threshold=2, weight_scale=1.0, ring_bits=ring_bits)
     server = ServerState(params, run_id=b"uniformity")
     clients = {
         i: ClientState(i, params, random_bytes=deterministic_random_bytes(4, str(i)))
@@ -47,16 +55,25 @@ def test_single_masked_upload_is_uniform() -> None:
         server.receive_share_keys(clients[i].handle_share_keys(req))
     server.close_share_keys()
     dim = 200_000
+    frac_bits, bits = params.encoding_for(3)
+    assert bits == (ring_bits or bits) and bits <= 32
     req = server.begin_round(1, range(3), dim)[0]
     upload = clients[0].handle_round(req, np.zeros(dim), 1.0, rng=np.random.default_rng(0))
-    assert chi2_top_byte(upload.masked) < CHI2_LIMIT
-    # bits individually balanced too (low and high)
-    bits = (upload.masked[:, None] >> np.arange(32, dtype=np.uint32)) & 1
-    assert np.all(np.abs(bits.mean(axis=0) - 0.5) < 0.01)
+    assert upload.masked.shape == (packing.packed_words(dim + 1, bits),)
+    values = packing.unpack(upload.masked, dim + 1, bits)
+    assert int(values.max()) < 2**bits
+    assert chi2_top_byte(_top_byte_values(values, bits)) < CHI2_LIMIT
+    assert chi2_top_byte(upload.masked) < CHI2_LIMIT  # the wire words too
+    # each of the b bits individually balanced too (low and high)
+    bit_means = ((values[:, None] >> np.arange(bits, dtype=np.uint32)) & 1).mean(axis=0)
+    assert np.all(np.abs(bit_means - 0.5) < 0.01)
     from fedagg.secagg.fixed_point import encode
 
-    plain = encode(np.zeros(dim), 2**20, frac_bits=20, clip=1.0, rng=np.random.default_rng(0))
-    assert chi2_top_byte(plain) > 10 * CHI2_LIMIT
+    plain = encode(np.zeros(dim), 2**frac_bits, frac_bits=frac_bits, clip=1.0,
+                   rng=np.random.default_rng(0))
+    plain_b = plain & np.uint32((1 << bits) - 1) if bits < 32 else plain
+    assert chi2_top_byte(_top_byte_values(plain_b, bits)) > 10 * CHI2_LIMIT
+    assert chi2_top_byte(packing.pack(plain, bits)) > 10 * CHI2_LIMIT
 
 
 def test_pairwise_masks_cancel_only_with_all_survivors() -> None:
@@ -71,9 +88,18 @@ def test_pairwise_masks_cancel_only_with_all_survivors() -> None:
         real(msg)
 
     f.server.receive_upload = spy  # type: ignore[method-assign]
-    f.run_round([np.zeros(100_000)] * 4, [1.0] * 4)
-    partial = captured[0] + captured[1] + captured[2]
-    assert chi2_top_byte(partial) < CHI2_LIMIT
+    dim = 100_000
+    f.run_round([np.zeros(dim)] * 4, [1.0] * 4)
+    bits = f.params.encoding_for(4)[1]
+    partial = np.zeros(dim + 1, np.uint32)
+    for words in captured[:3]:
+        packing.add_unpacked(partial, words, bits)
+    partial &= np.uint32((1 << bits) - 1) if bits < 32 else np.uint32(2**32 - 1)
+    assert chi2_top_byte(_top_byte_values(partial, bits)) < CHI2_LIMIT
+    full = partial.copy()
+    packing.add_unpacked(full, captured[3], bits)  # still self-masked: uniform as well
+    full &= np.uint32((1 << bits) - 1) if bits < 32 else np.uint32(2**32 - 1)
+    assert chi2_top_byte(_top_byte_values(full, bits)) < CHI2_LIMIT
 
 
 @pytest.fixture
@@ -152,4 +178,5 @@ def test_message_reprs_hide_shares_and_ciphertexts() -> None:
     up = c.handle_round(req, np.zeros(3), 0.5, rng=np.random.default_rng(0))
     text = repr(up) + repr(req)
     assert up.b_ciphertexts[:8].hex() not in text and "bytes>" in text
-    assert "masked=<array (4,)>" in text
+    words = packing.packed_words(4, f.params.encoding_for(3)[1])
+    assert f"masked=<array ({words},)>" in text

@@ -22,6 +22,8 @@ from clients.secure import STATE_CONFIG_KEY
 from fedagg.config import RunConfig, load_config
 from fedagg.data import load_dataset
 from fedagg.models import build_model
+from fedagg.secagg.packing import packed_words
+from fedagg.secagg.packing import unpack as unpack_bits
 from server.inprocess import InProcessGrid, nodes_by_partition
 from server.runner import client_config
 from strategies._records import arrays_to_record, record_to_arrays
@@ -148,8 +150,12 @@ def test_site_reply_holds_only_the_masked_upload_and_secrets_stay_local(
     for reply in replies:
         assert set(reply.content.keys()) == {CONFIG_KEY, ARRAYS_KEY}  # no weights, no metrics
         masked = reply.content.array_records[ARRAYS_KEY]["masked"].numpy()
-        assert masked.dtype == np.uint32 and masked.size == dim + 1
+        bits = secure.last_result.ring_bits
+        assert bits < 32  # the auto ring is narrower than fp32 here, and packed on the wire
+        assert masked.dtype == np.uint32 and masked.size == packed_words(dim + 1, bits)
         assert abs(masked.mean() / 2**31 - 1) < 0.05  # masked: spread over the whole ring
+        values = unpack_bits(masked, dim + 1, bits)
+        assert abs(values.mean() / 2 ** (bits - 1) - 1) < 0.05
     for ctx in grid.contexts.values():
         secret = ctx.state.config_records[STATE_CONFIG_KEY]["s_secret"]
         assert isinstance(secret, bytes) and len(secret) == 32

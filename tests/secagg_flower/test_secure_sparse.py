@@ -21,6 +21,7 @@ from fedagg.config import RunConfig, load_config
 from fedagg.data import load_dataset
 from fedagg.errors import ConfigError
 from fedagg.models import build_model
+from fedagg.secagg.packing import packed_words
 from server.inprocess import InProcessGrid, nodes_by_partition
 from server.runner import client_config
 from strategies._compression import shared_support
@@ -149,12 +150,15 @@ def test_residual_persists_and_the_upload_is_only_the_masked_support_values() ->
     for reply in replies:
         assert set(reply.content.keys()) == {CONFIG_KEY, ARRAYS_KEY}  # no indices, no metrics
         masked = reply.content.array_records[ARRAYS_KEY]["masked"].numpy()
-        assert masked.dtype == np.uint32 and abs(masked.size - (k + 1)) <= 1
+        bits = secure.last_result.ring_bits  # k + 1 values of b bits, packed
+        assert masked.dtype == np.uint32
+        assert any(masked.size == packed_words(v, bits) for v in (k, k + 1, k + 2))
     # the residual is carried over: off both supports it accumulates two rounds of deltas
     assert np.abs(residuals[0]).max() > 0
     assert not np.array_equal(residuals[0], residuals[1])
     up = secure.history[-1]["bytes_up"]["upload"] / 5
-    assert 4 * k < up <= 4 * k + 4096  # values + weight, plus keys / shares / headers
+    payload = 4 * packed_words(k + 1, bits)  # k values + weight at b bits
+    assert payload < up <= payload + 4096  # plus keys / shares / headers
 
 
 @pytest.mark.parametrize(("overrides", "field", "words"), [
