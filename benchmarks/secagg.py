@@ -2,7 +2,8 @@
 
     python benchmarks/secagg.py [--sites 10 50] [--dims 100000 1000000] [--rounds 3]
 
-What runs (all three in this process, one after another, interleaved per configuration):
+What runs (all three in this process, interleaved round by round: plain FedAvg, fedagg secure
+and Flower SecAgg+ take turns in every measured round, so load changes hit all three alike):
 
 * **Flower SecAgg+**: ``flwr.server.workflow.SecAggPlusWorkflow`` (legacy API: ``LegacyContext``
   with ``flwr.server.strategy.FedAvg`` and a ``SimpleClientManager`` of ``GridClientProxy``
@@ -28,6 +29,8 @@ bytes are what it measured). Nothing runs in parallel; the figures are compute:
 * ``up/site``: serialised bytes of one site's replies in the round, relative to 4·D (fp32);
   the ratio table also divides fedagg secure's by plain FedAvg's real reply (fp32 model plus
   metrics and Flower headers), the fp32 baseline a FedAvg deployment actually uploads.
+
+The load average (``/proc/loadavg``) is printed at the start and the end.
 
 Medians over ``--rounds`` steady-state rounds (``--big-rounds`` when N·D >= 5·10^7; fedagg
 secure: after its key-setup round, which is reported separately; Flower's SecAgg+ runs its
@@ -165,8 +168,11 @@ class Timed:
 
     The fedagg strategies also serialise every message once more to count its bytes
     (``message_nbytes``); that bookkeeping is timed here and excluded as well, since Flower's
-    workflow does not do it.
+    workflow does not do it. Several grids can be timed in one run (interleaved rounds): the
+    byte-counting time goes to the one whose round is being measured.
     """
+
+    active: Timed | None = None
 
     def __init__(self, grid: InProcessGrid) -> None:
         self.grid = grid
@@ -193,7 +199,8 @@ class Timed:
                 try:
                     return int(_f(message))
                 finally:
-                    self.in_grid += time.perf_counter() - t0
+                    if Timed.active is not None:
+                        Timed.active.in_grid += time.perf_counter() - t0
 
             module.message_nbytes = counted  # type: ignore[attr-defined]
 
@@ -201,9 +208,13 @@ class Timed:
         g = self.grid
         g.wire = wire
         self.in_grid, g.client_seconds, g.bytes_up = 0.0, [], 0
+        Timed.active = self
         t0 = time.perf_counter()
-        fn()
-        wall = time.perf_counter() - t0
+        try:
+            fn()
+        finally:
+            wall = time.perf_counter() - t0
+            Timed.active = None
         per_site: dict[int, float] = {}
         kinds: set[str] = set()
         for node, kind, sec in g.client_seconds:
@@ -223,55 +234,62 @@ def _cfg(n: int) -> RunConfig:
 
 
 def bench(n: int, dim: int, rounds: int, *, flower: bool = True) -> dict[str, Any]:
-    """Measure the three protocols for ``n`` sites and ``dim`` values."""
-    out: dict[str, Any] = {}
+    """Measure the three protocols for ``n`` sites and ``dim`` values, interleaved by round.
+
+    fedagg secure first runs its key-setup round (measured separately); then each of the
+    ``rounds`` rounds runs plain FedAvg, fedagg secure and Flower SecAgg+ one after the other,
+    so a change in machine load hits all three alike.
+    """
+    out: dict[str, Any] = {"fedavg": [], "secure": [], "flower": []}
     cfg = _cfg(n)
     expect = np.mean([DELTAS(i, dim).astype(np.float64) for i in range(n)], axis=0)
-
-    # plain FedAvg
-    grid = InProcessGrid(fedagg_app(False), n, seed=n)
-    timed = Timed(grid)
-    plain = FedAvg()
     arrays = arrays_to_record([np.zeros(dim, np.float32)])
-    runs = []
-    for rnd in range(1, rounds + 1):
-        res: dict[str, Any] = {}
-        runs.append(timed.measure(lambda r=rnd, box=res: box.update(
-            r=default_train_round(plain, grid, r, arrays, ConfigRecord(), 600.0)), wire=rnd == 1))
-        runs[-1]["exchanges"] = res["r"].exchanges
-    out["fedavg"] = runs
 
-    # fedagg secure
-    grid = InProcessGrid(fedagg_app(True), n, seed=n)
-    timed = Timed(grid)
+    plain_grid = InProcessGrid(fedagg_app(False), n, seed=n)
+    plain_timed = Timed(plain_grid)
+    plain = FedAvg()
+    sec_grid = InProcessGrid(fedagg_app(True), n, seed=n)
+    sec_timed = Timed(sec_grid)
     secure = SecureAggregation(FedAvg(), secagg=cfg.secagg)
     conf = client_config(cfg)
-    runs = []
-    for rnd in range(1, rounds + 2):
-        res = {}
-        runs.append(timed.measure(lambda r=rnd, box=res: box.update(
-            r=secure.train_round(grid, r, arrays, conf, 600.0)), wire=rnd <= 2))
-        runs[-1]["exchanges"] = res["r"].exchanges
-        got = record_to_arrays(res["r"].arrays)[1][0]
+
+    def secure_round(rnd: int, wire: bool) -> dict[str, float]:
+        box: dict[str, Any] = {}
+        run = sec_timed.measure(lambda: box.update(
+            r=secure.train_round(sec_grid, rnd, arrays, conf, 600.0)), wire=wire)
+        run["exchanges"] = box["r"].exchanges
+        got = record_to_arrays(box["r"].arrays)[1][0]
         err = float(np.abs(got - expect).max())
         assert err < 1e-4, f"fedagg secure result off by {err}"
-    out["secure_setup"] = runs[0]
-    out["secure"] = runs[1:]
-    assert secure.params is not None
+        return run
+
+    out["secure_setup"] = secure_round(1, True)
+    assert secure.params is not None and secure.last_result is not None
     k, t = secure.params.neighbours_for(n), secure.params.threshold
     out["k"], out["t"] = k, t
-
+    out["ring_bits"], out["frac_bits"] = secure.last_result.ring_bits, secure.last_result.frac_bits
     if flower:
-        grid = InProcessGrid(flower_app(), n, seed=n)
-        timed = Timed(grid)
-        fl = FlowerSecAggPlus(grid, dim, num_shares=k + 1 if k + 1 < n else n, threshold=t)
-        runs = []
-        for rnd in range(1, rounds + 1):
-            box: dict[str, Any] = {}
-            runs.append(timed.measure(lambda r=rnd, b=box: b.update(x=fl.round(r)), wire=rnd == 1))
-            err = float(np.abs(box["x"] - expect).max())
+        fl_grid = InProcessGrid(flower_app(), n, seed=n)
+        fl_timed = Timed(fl_grid)
+        fl = FlowerSecAggPlus(fl_grid, dim, num_shares=k + 1 if k + 1 < n else n, threshold=t)
+
+    for rnd in range(1, rounds + 1):
+        wire = rnd == 1
+        res: dict[str, Any] = {}
+        run = plain_timed.measure(lambda r=rnd, box=res: box.update(
+            r=default_train_round(plain, plain_grid, r, arrays, ConfigRecord(), 600.0)),
+            wire=wire)
+        run["exchanges"] = res["r"].exchanges
+        out["fedavg"].append(run)
+        out["secure"].append(secure_round(rnd + 1, wire))
+        if flower:
+            fbox: dict[str, Any] = {}
+            out["flower"].append(fl_timed.measure(
+                lambda r=rnd, b=fbox: b.update(x=fl.round(r)), wire=wire))
+            err = float(np.abs(fbox["x"] - expect).max())
             assert err < 1e-3, f"Flower SecAgg+ result off by {err}"
-        out["flower"] = runs
+    if not flower:
+        del out["flower"]
     return out
 
 
@@ -300,17 +318,26 @@ def table(results: dict[tuple[int, int], dict[str, Any]]) -> str:
 
 def ratios(results: dict[tuple[int, int], dict[str, Any]]) -> str:
     """Speed-up and overhead ratios per configuration."""
-    lines = ["| N | D | k, t | Flower SecAgg+ / fedagg secure (round s) | fedagg secure / "
-             "plain FedAvg (round s) | fedagg secure up/site (x fp32) | fedagg secure up/site "
-             "(x plain FedAvg reply) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| N | D | k, t | ring b, frac f | Flower SecAgg+ / fedagg secure (round s) | "
+             "fedagg secure / plain FedAvg (round s) | fedagg secure up/site (x fp32) | "
+             "fedagg secure up/site (x plain FedAvg reply) |", "|---|---|---|---|---|---|---|---|"]
     for (n, dim), res in results.items():
         sec = _med(res["secure"], "round")
         fl = f"{_med(res['flower'], 'round') / sec:.1f}x" if "flower" in res else "-"
-        lines.append(f"| {n} | {dim:,} | {res['k']}, {res['t']} | {fl} | "
+        lines.append(f"| {n} | {dim:,} | {res['k']}, {res['t']} | "
+                     f"{res['ring_bits']}, {res['frac_bits']} | {fl} | "
                      f"{sec / _med(res['fedavg'], 'round'):.2f}x | "
                      f"{_med(res['secure'], 'up_site') / (4 * dim):.4f} | "
                      f"{_med(res['secure'], 'up_site') / _med(res['fedavg'], 'up_site'):.4f} |")
     return "\n".join(lines)
+
+
+def _loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as fh:
+            return " ".join(fh.read().split()[:3])
+    except OSError:
+        return "n/a"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -328,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(name).setLevel(logging.ERROR)
     results: dict[tuple[int, int], dict[str, Any]] = {}
     t0 = time.perf_counter()
+    print(f"load average at start: {_loadavg()}", flush=True)
     for n in args.sites:
         for dim in args.dims:
             t1 = time.perf_counter()
@@ -339,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     print()
     print(ratios(results))
-    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s; load average at end: {_loadavg()}")
     return 0
 
 

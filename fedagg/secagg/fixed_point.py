@@ -250,16 +250,16 @@ def encode(
     x = np.asarray(values).reshape(-1)
     if not bool(np.isfinite(x.sum(dtype=np.float64))) and not bool(np.isfinite(x).all()):
         raise UpdateRejected(explain("update", "non-finite", "must be finite", "fix training"))
-    # In place on one float64 buffer: clip, scale, split into floor and fraction.
+    # In place on one float64 buffer: clip, scale, add u ~ U[0, 1), floor. floor(s + u) is
+    # floor(s) + 1 with probability frac(s): unbiased stochastic rounding in one pass (the
+    # probability is quantised to the float64 ulp of s, at most 2^-27 of a unit here).
     scaled = np.clip(x, -clip, clip, out=np.empty(x.size, np.float64))
     scaled *= float(weight_q)
-    low = np.floor(scaled)
-    scaled -= low  # the fractional part, in [0, 1)
-    up = rng.random(x.size) < scaled  # round up with probability = fraction (unbiased)
+    scaled += rng.random(x.size)
+    np.floor(scaled, out=scaled)
     out = np.empty(x.size + 1, np.uint32)
-    body = out[:-1].view(np.int32)
-    np.copyto(body, low, casting="unsafe")  # |low| <= clip * 2^f < 2^31: exact
-    body += up  # two's complement: the int32 view is the value mod 2^32
+    # |scaled| <= clip * 2^f + 1 < 2^31: exact; the int32 view is the value mod 2^32
+    np.copyto(out[:-1].view(np.int32), scaled, casting="unsafe")
     out[-1] = np.uint32(weight_q)
     return out
 
