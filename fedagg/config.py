@@ -228,8 +228,18 @@ class SecAggConfig(_Section):
     )
     frac_bits: int | None = Field(
         None, ge=1, le=30,
-        description="Fixed-point fractional bits; None = the most that fit the 32-bit ring "
-        "for the number of sites and the clip range.",
+        description="Fixed-point fractional bits; None = auto: the fewest that meet "
+        "secagg.precision (or, with ring_bits set, the most that fit that ring).",
+    )
+    ring_bits: int | None = Field(
+        None, ge=8, le=32,
+        description="Width b of the ring Z_2^b of masked values (uploads are bit-packed at b bits "
+        "per value); None = the smallest with headroom for sites x clip range at frac_bits.",
+    )
+    precision: float = Field(
+        1e-6, gt=0,
+        description="Target worst-case abs error of the mean at full weight, 2^-frac_bits * "
+        "(1 + clip), for auto frac_bits; if it needs more than 32 bits, the 32-bit ring is used.",
     )
     weight_scale: float = Field(
         10_000.0, gt=0,
