@@ -202,8 +202,10 @@ class CompressionConfig(_Section):
         description="Upward compressor spec, e.g. 'topk:0.01+ef+int8' (see docs/compression.md).",
     )
     down: Literal["none", "fp16", "bf16"] = Field("none", description="Downward model compression.")
-    support: Literal["own", "random", "block", "topk-aggregate"] = Field(
-        "own", description="Sparse support: 'own' reveals per-site indices; the others are public."
+    support: Literal["own", "reveal-indices", "random", "block", "topk-aggregate"] = Field(
+        "own",
+        description="Sparse support: 'reveal-indices' (alias 'own') lets each site send its own "
+        "positions, revealing them to the server; 'random', 'block', 'topk-aggregate' are public.",
     )
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "PAYLOAD_KEY",
     "PREVIOUS_KEY",
     "REPLY_KEY",
+    "REVEALING_SUPPORTS",
     "Instruction",
     "decode_down",
     "effective_spec",
@@ -64,6 +65,10 @@ REPLY_KEY = "compressed"
 PAYLOAD_KEY = "payload"
 """Array key (uint8) of the encoded payload inside :data:`REPLY_KEY`."""
 
+REVEALING_SUPPORTS = ("reveal-indices", "own")
+"""``compression.support`` values that let each site choose its own positions (revealed to the
+server); ``"reveal-indices"`` is the explicit name (DESIGN.md: index-revealing modes say so in
+their config name), ``"own"`` its older alias."""
 _SUPPORT_STAGES = {"random": "shared", "block": "block", "topk-aggregate": "aggtopk"}
 _OWN_INDEX = ("topk", "randk")
 _SHARED = ("shared", "block", "aggtopk")
@@ -102,10 +107,11 @@ def _amount_args(rest: str) -> str:
 def effective_spec(up: str, support: str) -> str:
     """The upward spec the sites run, given ``compression.up`` and ``compression.support``.
 
-    ``support = "own"`` keeps the spec. Otherwise an own-index sparsifier (``topk``, ``randk``)
-    is replaced by the public-support stage of the same amount: ``random`` -> ``shared``,
-    ``block`` -> ``block``, ``topk-aggregate`` -> ``aggtopk``. Dense specs (``none``, ``bf16``,
-    ``int8``, ...) are unchanged.
+    ``support = "reveal-indices"`` (or its older alias ``"own"``) keeps the spec: own-index
+    sparsifiers then send each site's own positions, which the server sees. Otherwise an
+    own-index sparsifier (``topk``, ``randk``) is replaced by the public-support stage of the
+    same amount: ``random`` -> ``shared``, ``block`` -> ``block``, ``topk-aggregate`` ->
+    ``aggtopk``. Dense specs (``none``, ``bf16``, ``int8``, ...) are unchanged.
 
     Raises
     ------
@@ -117,11 +123,12 @@ def effective_spec(up: str, support: str) -> str:
     >>> effective_spec("topk:0.01,global+ef+int8", "topk-aggregate")
     'aggtopk:0.01+ef+int8'
     """
-    if support == "own":
+    if support in REVEALING_SUPPORTS:
         return up
     if support not in _SUPPORT_STAGES:
         raise ConfigError(explain("compression.support", support,
-                                  "must be one of own, random, block, topk-aggregate",
+                                  "must be one of reveal-indices (alias own), random, block, "
+                                  "topk-aggregate",
                                   "choose one of the listed supports"))
     target = _SUPPORT_STAGES[support]
     parts = up.split("+")
@@ -133,7 +140,7 @@ def effective_spec(up: str, support: str) -> str:
             raise ConfigError(explain("compression.up", up,
                                       f"stage {name!r} contradicts compression.support={support!r}",
                                       f"write the amount as 'topk:<ratio>' and let support pick "
-                                      f"{target!r}, or set compression.support='own'"))
+                                      f"{target!r}, or set compression.support='reveal-indices'"))
     return up
 
 

@@ -68,9 +68,11 @@ class CompressedFedAvg(FedAvg):
         Upward compressor spec (``compression.up``), e.g. ``"topk:0.01+ef"``.
     down : {"none", "fp16", "bf16"}
         Downward codec of the global model.
-    support : {"own", "random", "block", "topk-aggregate"}
-        Sparse support; anything but ``own`` turns a ``topk`` / ``randk`` stage into the public
-        support of the same amount (no index bytes, nothing revealed per site).
+    support : {"reveal-indices", "own", "random", "block", "topk-aggregate"}
+        Sparse support. ``reveal-indices`` (alias ``own``) runs ``topk`` / ``randk`` as written:
+        each site picks its own positions and the server sees them. Any other value turns a
+        ``topk`` / ``randk`` stage into the public support of the same amount (no index
+        bytes, nothing revealed per site).
     state_namespace : str
         Suffix of the sites' ``Context.state`` keys, so that several strategies can drive the
         same sites in one run without sharing residuals.

@@ -234,3 +234,21 @@ def test_registry_builds_compressed_from_config() -> None:
     s = build_strategy(cfg)
     assert isinstance(s, CompressedFedAvg)
     assert s.spec == "block:0.01+ef" and s.down == "bf16"
+
+
+def test_reveal_indices_is_the_explicit_name_of_own() -> None:
+    """DESIGN.md: index-revealing modes say so in their config name; 'own' stays an alias."""
+    for support in ("reveal-indices", "own"):
+        assert effective_spec("topk:0.01+ef", support) == "topk:0.01+ef"
+        cfg = load_config(None, ["strategy.name='compressed'", "compression.up='topk:0.01+ef'",
+                                 f"compression.support='{support}'"])
+        s = build_strategy(cfg)
+        assert isinstance(s, CompressedFedAvg) and s.spec == "topk:0.01+ef"
+    with pytest.raises(ConfigError, match="reveal-indices"):
+        effective_spec("topk:0.01", "mine")
+    # under secure aggregation the revealing support is refused, whichever name it has
+    for support in ("reveal-indices", "own"):
+        cfg = load_config(None, ["strategy.name='secure'", "compression.up='topk:0.01+ef'",
+                                 f"compression.support='{support}'"])
+        with pytest.raises(ConfigError, match="chooses indices per site"):
+            build_strategy(cfg)
