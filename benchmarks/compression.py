@@ -226,6 +226,12 @@ def run(args: argparse.Namespace) -> tuple[list[Track], dict[str, Any]]:
         t.acc.append(acc0)
 
     t_start = time.perf_counter()
+
+    def meta_of(done: int) -> dict[str, Any]:
+        return {"wall_seconds": time.perf_counter() - t_start, "initial_accuracy": acc0,
+                "params": int(sum(a.size for a in init)), "secure_strategy_found": secure_exists,
+                "rounds_done": done, "args": vars(args)}
+
     for rnd in range(1, args.rounds + 1):
         live = [t for t in tracks if t.status == "ok"]
         order = live if rnd % 2 else live[::-1]
@@ -249,10 +255,9 @@ def run(args: argparse.Namespace) -> tuple[list[Track], dict[str, Any]]:
             t.acc.append(accuracy(t.arrays))
         print(f"round {rnd}/{args.rounds} done, {time.perf_counter() - t_start:.0f} s: "
               + ", ".join(f"{t.variant.key}={t.acc[-1]:.3f}" for t in live if t.acc), flush=True)
-    meta = {"wall_seconds": time.perf_counter() - t_start, "initial_accuracy": acc0,
-            "params": int(sum(a.size for a in init)), "secure_strategy_found": secure_exists,
-            "args": vars(args)}
-    return tracks, meta
+        if args.json:  # after every round, so an interrupted run keeps what it measured
+            write_json(Path(args.json), tracks, meta_of(rnd))
+    return tracks, meta_of(args.rounds)
 
 
 LAST = 10
@@ -315,6 +320,18 @@ def targets(tracks: list[Track]) -> list[str]:
             out.append(f"{t.variant.label} <= 0.02x dense bytes: {'MET' if r <= 0.02 else 'NOT MET'}"
                        f" ({r:.4f}x)")
     return out
+
+
+def write_json(path: Path, tracks: list[Track], meta: dict[str, Any]) -> None:
+    """The raw per-round results (``--json``; read back by ``--merge``)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({
+        "meta": meta, "variants": [{"key": t.variant.key, "label": t.variant.label,
+                                    "status": t.status, "accuracy": t.acc,
+                                    "up_per_site": t.up_per_site,
+                                    "down_per_site": t.down_per_site, "seconds": t.seconds,
+                                    "rejected": t.rejected} for t in tracks]}, indent=1))
+    tmp.replace(path)
 
 
 def load_results(paths: list[str]) -> tuple[list[Track], dict[str, Any]]:
@@ -423,13 +440,6 @@ def main() -> int:
     if a.plot:
         plot(tracks, Path(a.plot), title)
         print(f"\nplot: {a.plot}")
-    if a.json:
-        Path(a.json).write_text(json.dumps({
-            "meta": meta, "variants": [{"key": t.variant.key, "label": t.variant.label,
-                                        "status": t.status, "accuracy": t.acc,
-                                        "up_per_site": t.up_per_site,
-                                        "down_per_site": t.down_per_site, "seconds": t.seconds,
-                                        "rejected": t.rejected} for t in tracks]}, indent=1))
     return 0
 
 
