@@ -4,8 +4,10 @@ Spawns ``N`` real processes (gloo on 127.0.0.1, or NCCL with one GPU per rank), 
 the cost model, then for every size runs every algorithm *interleaved* (the order rotates
 each repeat) so that noise on a shared machine hits all of them alike. The time of one call is
 the maximum over ranks; the table shows medians, algorithm bandwidth ``algbw = bytes / time``,
-bus bandwidth ``busbw = algbw * 2 (N-1) / N`` (as nccl-tests), the ratio of busbw to native,
-and the model's prediction.
+bus bandwidth ``busbw = algbw * 2 (N-1) / N`` (as nccl-tests), the ratio of busbw to native
+(of the medians, and the median of the per-repeat ratios, each repeat's algorithms run back
+to back), the model's prediction (calibrated with every rank active), and the 1-minute load
+average before and after each world size.
 
 Run as ``python benchmarks/allreduce.py`` or ``fedagg bench allreduce``::
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import time
 from typing import Any
@@ -63,10 +66,18 @@ def _worker(comm: Communicator, cfg: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(int(cfg["threads"]))
     device = torch.device("cuda", torch.cuda.current_device()) if cfg["backend"] == "nccl" else None
-    model = calibrate(comm, segment_bytes=cfg["segment_bytes"])
+    model = calibrate(comm, segment_bytes=cfg["segment_bytes"], method="concurrent")
+    pingpong = calibrate(comm, segment_bytes=cfg["segment_bytes"], method="pingpong")
     algs: list[str] = list(cfg["algorithms"])
     out: dict[str, Any] = {
-        "model": [model.alpha, model.beta, model.gamma, model.segment_bytes],
+        "model": [model.alpha, model.beta, model.gamma, model.segment_bytes, model.beta_node],
+        "pingpong": [
+            pingpong.alpha,
+            pingpong.beta,
+            pingpong.gamma,
+            pingpong.segment_bytes,
+            pingpong.beta_node,
+        ],
         "segment_bytes": model.segment_bytes,
         "rows": [],
     }
@@ -92,12 +103,19 @@ def _worker(comm: Communicator, cfg: dict[str, Any]) -> dict[str, Any]:
                 times[algs.index(alg), rep] = time.perf_counter() - t0
         all_reduce_max(times)
         if comm.rank == 0:
+            native = times[algs.index("native"), 1:] if "native" in algs else None
             for i, alg in enumerate(algs):
+                paired = (
+                    statistics.median((native / times[i, 1:]).tolist())
+                    if native is not None
+                    else float("nan")
+                )
                 out["rows"].append(
                     {
                         "alg": alg,
                         "bytes": nbytes,
                         "median": statistics.median(times[i, 1:].tolist()),
+                        "paired": paired,
                         "repeats": reps,
                     }
                 )
@@ -106,6 +124,7 @@ def _worker(comm: Communicator, cfg: dict[str, Any]) -> dict[str, Any]:
 
 def _table(n: int, result: dict[str, Any], markdown: bool) -> list[str]:
     model = CostModel(*result["model"])
+    pingpong = CostModel(*result["pingpong"])
     rows = result["rows"]
     native = {r["bytes"]: r["median"] for r in rows if r["alg"] == "native"}
     lines = []
@@ -117,7 +136,9 @@ def _table(n: int, result: dict[str, Any], markdown: bool) -> list[str]:
         "algbw GB/s",
         "busbw GB/s",
         "x native",
+        "paired x",
         "model ms",
+        "pp model ms",
     ]
     if markdown:
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -128,7 +149,10 @@ def _table(n: int, result: dict[str, Any], markdown: bool) -> list[str]:
         algbw = b / t / 1e9
         busbw = algbw * 2 * (n - 1) / n
         ratio = native[b] / t if b in native else float("nan")
-        pred = "-" if r["alg"] == "native" else f"{predict(r['alg'], n, b, model=model) * 1e3:.2f}"
+        pred, pp = "-", "-"
+        if r["alg"] != "native":
+            pred = f"{predict(r['alg'], n, b, model=model) * 1e3:.2f}"
+            pp = f"{predict(r['alg'], n, b, model=pingpong) * 1e3:.2f}"
         cells = [
             str(n),
             _fmt_size(b),
@@ -137,7 +161,9 @@ def _table(n: int, result: dict[str, Any], markdown: bool) -> list[str]:
             f"{algbw:.3f}",
             f"{busbw:.3f}",
             f"{ratio:.2f}",
+            f"{r.get('paired', float('nan')):.2f}",
             pred,
+            pp,
         ]
         lines.append(
             "| " + " | ".join(cells) + " |" if markdown else "  ".join(f"{c:>11}" for c in cells)
@@ -166,7 +192,7 @@ def _order_check(n: int, result: dict[str, Any], model: CostModel, label: str) -
         if r["alg"] != "native":
             by_size.setdefault(r["bytes"], {})[r["alg"]] = r["median"]
     lines = []
-    agree = total = 0
+    agree = total = points = points_ok = 0
     for b, meas in sorted(by_size.items()):
         pred = {a: predict(a, n, b, model=model) for a in meas}
         measured = sorted(meas, key=lambda a: meas[a])
@@ -182,12 +208,31 @@ def _order_check(n: int, result: dict[str, Any], model: CostModel, label: str) -
                     else:
                         bad.append(f"{a} < {c}")
         verdict = "agrees" if not bad else "DISAGREES on " + ", ".join(bad)
+        if len(meas) > 1:
+            points += 1
+            points_ok += not bad
         lines.append(
             f"N={n} {_fmt_size(b)} [{label}]: measured {' < '.join(measured)}; "
             f"model {' < '.join(predicted)} -> {verdict}"
         )
-    lines.append(f"N={n} [{label}]: {agree}/{total} separable pairs in the predicted order")
+    lines.append(
+        f"N={n} [{label}]: {agree}/{total} separable pairs in the predicted order; "
+        f"{points_ok}/{points} sizes without a disagreement"
+    )
     return lines
+
+
+def _gbps(seconds_per_byte: float) -> str:
+    return f"{1 / seconds_per_byte / 1e9:.2f}" if seconds_per_byte else "inf"
+
+
+def _describe(model: list[float]) -> str:
+    alpha, beta, gamma = model[:3]
+    node = model[4] if len(model) > 4 else 0.0
+    return (
+        f"alpha = {alpha * 1e6:.1f} us, 1/beta = {_gbps(beta)} GB/s, "
+        f"1/beta_node = {_gbps(node)} GB/s, 1/gamma = {_gbps(gamma)} GB/s"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     raw: dict[str, Any] = {}
     for n in (int(x) for x in args.world_sizes.split(",") if x):
         t0 = time.perf_counter()
+        load0 = os.getloadavg()
         result = run_processes(
             n,
             _worker,
@@ -231,15 +277,16 @@ def main(argv: list[str] | None = None) -> int:
             comm_timeout=min(args.timeout, 300.0),
         )[0]
         raw[str(n)] = result
-        alpha, beta, gamma = result["model"][:3]
+        load1 = os.getloadavg()
         print(
-            f"\nN = {n} ({args.backend}); calibrated alpha = {alpha * 1e6:.1f} us, "
-            f"1/beta = {1 / beta / 1e9 if beta else float('inf'):.2f} GB/s, "
-            f"1/gamma = {1 / gamma / 1e9 if gamma else float('inf'):.2f} GB/s; "
-            f"{time.perf_counter() - t0:.0f} s"
+            f"\nN = {n} ({args.backend}); {time.perf_counter() - t0:.0f} s; load average "
+            f"{load0[0]:.2f} before, {load1[0]:.2f} after (1 min)\n"
+            f"calibrated, all ranks active: {_describe(result['model'])}\n"
+            f"calibrated, ping-pong 0<->1:  {_describe(result['pingpong'])}"
         )
         print("\n".join(_table(n, result, args.markdown)))
-        print("\n".join(_order_check(n, result, CostModel(*result["model"]), "ping-pong model")))
+        print("\n".join(_order_check(n, result, CostModel(*result["model"]), "all-ranks model")))
+        print("\n".join(_order_check(n, result, CostModel(*result["pingpong"]), "ping-pong model")))
         fitted = _fit_from_ring(n, result)
         if fitted is not None:
             print(

@@ -16,8 +16,19 @@ communication operations in MPICH", IJHPCA 19(1), 2005, section 4: sending ``m``
   same pipeline over all its steps: ``(2 (g-1) + 2 H_L + S - 1) (alpha + 2 D/S beta) +
   D gamma``.
 
-``alpha``, ``beta`` and ``gamma`` are calibrated by :func:`calibrate` (a ping-pong between
-ranks 0 and 1 and a local add) or fitted from measurements with :func:`fit_alpha_beta`.
+Ranks that share one host also share its aggregate copy rate (loopback TCP is memory copies
+done by the CPUs, and with more ranks than cores the ranks queue for them). The max-rate
+model of Gropp, Olson & Samfass, "Modeling MPI communication performance on SMP nodes: is it
+time to retire the ping pong test", EuroMPI 2016, adds that limit: ``k`` processes that
+communicate at once get at most ``R_N / k`` each. Every schedule here moves ``2 (N-1) D``
+bytes in total, so with ``beta_node = 1 / R_N`` each algorithm also takes at least
+``steps * alpha + 2 (N-1) D beta_node`` and :func:`predict` returns the larger of the two
+terms (plus the reduction). When the node limit binds, all schedules cost the same bandwidth
+and the one with fewer steps wins -- which is what an oversubscribed host measures.
+
+``alpha``, ``beta`` and ``gamma`` are calibrated by :func:`calibrate` (by default one ring
+step with every rank active, the slowest rank kept; or a ping-pong between ranks 0 and 1;
+gamma from a local add) or fitted from measurements with :func:`fit_alpha_beta`.
 ``algorithm="auto"`` picks the scheduled algorithm with the smallest predicted time.
 """
 
@@ -37,6 +48,7 @@ from fedagg.collectives.schedule import SCHEDULED_ALGORITHMS, get_schedule
 from fedagg.errors import ConfigError, explain
 
 __all__ = [
+    "CALIBRATION_METHODS",
     "CostModel",
     "calibrate",
     "choose_algorithm",
@@ -63,15 +75,20 @@ class CostModel:
         Seconds per byte reduced.
     segment_bytes : int
         Pipelining segment size the executor uses (sets ``S``).
+    beta_node : float
+        Seconds per byte moved by all ranks together (the node's aggregate rate, shared by
+        every rank that communicates at the same time); ``0`` for no shared limit. See
+        :func:`predict`.
     """
 
     alpha: float = 60e-6
     beta: float = 1.0 / 2e9
     gamma: float = 1.0 / 4e9
     segment_bytes: int = DEFAULT_SEGMENT_BYTES
+    beta_node: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("alpha", "beta", "gamma"):
+        for name in ("alpha", "beta", "gamma", "beta_node"):
             value = getattr(self, name)
             if not (isinstance(value, float | int) and math.isfinite(value) and value >= 0):
                 raise ConfigError(
@@ -144,9 +161,17 @@ def predict(
     if n == 1 or nbytes == 0:
         return 0.0
     if algorithm == "ring":
-        return 2 * (n - 1) * (m.alpha + d / n * m.beta) + (n - 1) * d / n * m.gamma
-    segs = _segments(d / 2, m.segment_bytes)
-    return (sched.num_steps + segs - 1) * (m.alpha + 2 * d / segs * m.beta) + d * m.gamma
+        link = 2 * (n - 1) * (m.alpha + d / n * m.beta)
+        reduce = (n - 1) * d / n * m.gamma
+    else:
+        segs = _segments(d / 2, m.segment_bytes)
+        link = (sched.num_steps + segs - 1) * (m.alpha + 2 * d / segs * m.beta)
+        reduce = d * m.gamma
+    # Max-rate term: every schedule here moves 2 (N-1) D bytes in total over all ranks
+    # (each element is reduced into N-1 ranks' copies and copied to N-1 ranks); when the
+    # ranks share the node's aggregate rate, that volume bounds the time from below.
+    node = sched.num_steps * m.alpha + 2 * (n - 1) * d * m.beta_node
+    return max(link, node) + reduce
 
 
 def choose_algorithm(
@@ -204,42 +229,121 @@ def _measure_gamma(nbytes: int = 1 << 22, repeats: int = 5) -> float:
     return best / nbytes
 
 
+CALIBRATION_METHODS: tuple[str, ...] = ("concurrent", "pingpong")
+"""How :func:`calibrate` measures alpha and beta."""
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def _time_pingpong(comm: Communicator, sizes: Sequence[int], repeats: int) -> list[float]:
+    """Median one-way time per size of a ping-pong between ranks 0 and 1 (others idle)."""
+    rank = comm.rank
+    times: list[float] = []
+    if rank not in (0, 1):
+        return times
+    for size in sizes:
+        buf = torch.zeros(max(1, size // 4), dtype=torch.float32)
+        samples: list[float] = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            if rank == 0:
+                sendrecv(comm, buf, 1, None, None)
+                sendrecv(comm, None, None, buf, 1)
+            else:
+                sendrecv(comm, None, None, buf, 0)
+                sendrecv(comm, buf, 0, None, None)
+            samples.append((time.perf_counter() - t0) / 2)
+        times.append(_median(samples[1:]))
+    return times
+
+
+def _time_concurrent(comm: Communicator, sizes: Sequence[int], repeats: int) -> list[float]:
+    """Time per size of one ring step with every rank active, max over ranks (rank 0 only).
+
+    Every rank sends ``size`` bytes to ``rank + 1`` while it receives ``size`` bytes from
+    ``rank - 1`` -- the step of a ring, and the load every schedule step puts on the ranks
+    and the machine (all processes busy at once, as in the algorithms themselves). The
+    per-rank median over ``repeats`` is gathered on rank 0, which keeps the slowest rank.
+    """
+    rank, n = comm.rank, comm.world_size
+    right, left = (rank + 1) % n, (rank - 1) % n
+    mine = torch.zeros(len(sizes), dtype=torch.float64)
+    for i, size in enumerate(sizes):
+        out = torch.zeros(max(1, size // 4), dtype=torch.float32)
+        inc = torch.empty_like(out)
+        comm.barrier()
+        samples: list[float] = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            sendrecv(comm, out, right, inc, left)
+            samples.append(time.perf_counter() - t0)
+        mine[i] = _median(samples[1:])
+    if rank != 0:
+        for req in comm.exchange([(mine, 0)], []):
+            req.wait()
+        return []
+    bufs = [torch.empty_like(mine) for _ in range(1, n)]
+    for req in comm.exchange([], [(b, r) for r, b in enumerate(bufs, start=1)]):
+        req.wait()
+    return torch.stack([mine, *bufs]).amax(0).tolist()
+
+
 def calibrate(
     comm: Communicator,
     *,
     sizes: Sequence[int] = (8, 1 << 16, 1 << 20, 1 << 22),
     repeats: int = 5,
     segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+    method: str = "concurrent",
 ) -> CostModel:
-    """Measure alpha, beta (ping-pong between ranks 0 and 1) and gamma; same result on all ranks.
+    """Measure alpha, beta and gamma on this machine; the same model is returned on all ranks.
 
-    Every rank must call it. Rank 0 measures, fits :func:`fit_alpha_beta` to the median
-    one-way times, and sends the model to the other ranks.
+    Every rank must call it. Rank 0 fits :func:`fit_alpha_beta` to the measured times
+    and sends the model to the other ranks.
+
+    Parameters
+    ----------
+    comm : Communicator
+        Transport to calibrate.
+    sizes : sequence of int
+        Message sizes in bytes (at least two distinct).
+    repeats : int
+        Timed repeats per size (after one warm-up); the median is kept.
+    segment_bytes : int
+        Segment size stored in the model (the executor's pipelining segment).
+    method : {"concurrent", "pingpong"}
+        ``pingpong``: ranks 0 and 1 ping-pong while the others idle and ``alpha``, ``beta``
+        are fitted to the one-way times (the textbook measurement; ``beta_node = 0``).
+        ``concurrent`` (default): ``beta`` (one link) as with ``pingpong``, then every rank
+        exchanges with its ring neighbours at once -- what a schedule step meets with all
+        ranks active and competing for the cores -- and the slowest rank's time per step
+        gives ``alpha`` (intercept) and ``beta_node`` (slope / N, since all N ranks moved
+        the size in each step; the max-rate model, see the module docstring).
     """
+    if method not in CALIBRATION_METHODS:
+        raise ConfigError(
+            explain(
+                "method", method, f"must be one of {list(CALIBRATION_METHODS)}", "pick one of those"
+            )
+        )
     rank, n = comm.rank, comm.world_size
-    params = torch.zeros(3, dtype=torch.float64)
+    params = torch.zeros(4, dtype=torch.float64)
     if rank == 0:
         params[2] = _measure_gamma()
-    if n >= 2 and rank in (0, 1):
-        times: list[float] = []
-        for size in sizes:
-            buf = torch.zeros(max(1, size // 4), dtype=torch.float32)
-            samples: list[float] = []
-            for _ in range(repeats + 1):
-                t0 = time.perf_counter()
-                if rank == 0:
-                    sendrecv(comm, buf, 1, None, None)
-                    sendrecv(comm, None, None, buf, 1)
-                else:
-                    sendrecv(comm, None, None, buf, 0)
-                    sendrecv(comm, buf, 0, None, None)
-                samples.append((time.perf_counter() - t0) / 2)
-            samples = sorted(samples[1:])
-            times.append(samples[len(samples) // 2])
-        if rank == 0:
-            alpha, beta = fit_alpha_beta([float(max(4, s)) for s in sizes], times)
-            params[0], params[1] = alpha, beta
     if n >= 2:
+        xs = [float(max(4, s)) for s in sizes]
+        pingpong = _time_pingpong(comm, sizes, repeats)
+        if rank == 0:
+            params[0], params[1] = fit_alpha_beta(xs, pingpong)
+        if method == "concurrent":
+            concurrent = _time_concurrent(comm, sizes, repeats)
+            if rank == 0:
+                alpha, slope = fit_alpha_beta(xs, concurrent)
+                # each of the N ranks moved the size in every step: slope = N * beta_node
+                params[0], params[3] = alpha, slope / n
         if rank == 0:
             reqs = comm.exchange([(params, r) for r in range(1, n)], [])
         else:
@@ -249,6 +353,8 @@ def calibrate(
     base = CostModel(segment_bytes=segment_bytes)
     if n < 2:
         return replace(base, gamma=float(params[2]))
-    model = CostModel(float(params[0]), float(params[1]), float(params[2]), segment_bytes)
-    _log.info("calibrated cost model: %s", model)
+    model = CostModel(
+        float(params[0]), float(params[1]), float(params[2]), segment_bytes, float(params[3])
+    )
+    _log.info("calibrated cost model (%s): %s", method, model)
     return model

@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedagg.collectives import CostModel, choose_algorithm, get_schedule, predict
-from fedagg.collectives.cost import fit_alpha_beta
+from fedagg.collectives.backends.inprocess import run_inprocess
+from fedagg.collectives.cost import calibrate, fit_alpha_beta
 from fedagg.collectives.schedule import (
     SCHEDULED_ALGORITHMS,
     Op,
@@ -150,3 +151,53 @@ def test_fit_alpha_beta_recovers_line() -> None:
 def test_cost_model_rejects_negative_parameters() -> None:
     with pytest.raises(ConfigError, match="alpha"):
         CostModel(alpha=-1.0)
+
+
+@pytest.mark.parametrize("n", range(2, 10))
+@pytest.mark.parametrize("algorithm", SCHEDULED_ALGORITHMS)
+def test_every_schedule_moves_2_n_minus_1_times_d_in_total(algorithm: str, n: int) -> None:
+    # the max-rate term of the cost model relies on this volume
+    d = 2 * 3 * 4 * 5 * 7 * 8 * 9
+    sched = get_schedule(algorithm, n, d)
+    assert sum(sched.elements_sent(r) for r in range(n)) == 2 * (n - 1) * d
+    assert sum(sched.elements_received(r) for r in range(n)) == 2 * (n - 1) * d
+
+
+def test_node_rate_term_binds_and_ranks_by_steps() -> None:
+    # beta_node = 0 keeps the link formulas; a binding node rate charges every algorithm
+    # 2 (N-1) D beta_node and the fewer steps win (tree/hierarchical over ring at N = 4)
+    n, d = 4, 16 << 20
+    link = CostModel(alpha=3e-3, beta=1 / 2e9, gamma=0.0)
+    node = CostModel(alpha=3e-3, beta=1 / 2e9, gamma=0.0, beta_node=1 / 1.5e9)
+    assert predict("ring", n, d, model=link) == pytest.approx(2 * (n - 1) * (3e-3 + d / n / 2e9))
+    for alg in SCHEDULED_ALGORITHMS:
+        steps = get_schedule(alg, n, d).num_steps
+        assert predict(alg, n, d, model=node) == pytest.approx(
+            max(predict(alg, n, d, model=link), steps * 3e-3 + 2 * (n - 1) * d / 1.5e9)
+        )
+    assert predict("tree", n, d, model=node) < predict("ring", n, d, model=node)
+    assert predict("ring", n, d, model=link) < predict("tree", n, d, model=link)
+    assert choose_algorithm(n, d, model=node) in ("tree", "hierarchical")
+    with pytest.raises(ConfigError, match="beta_node"):
+        CostModel(beta_node=-1.0)
+
+
+@pytest.mark.parametrize("method", ["concurrent", "pingpong"])
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_calibrate_gives_one_model_on_every_rank(n: int, method: str) -> None:
+    models = run_inprocess(
+        n,
+        lambda comm: calibrate(comm, sizes=(8, 1 << 14, 1 << 16), repeats=2, method=method),
+    )
+    assert all(m == models[0] for m in models), models
+    m = models[0]
+    assert m.gamma > 0
+    if n >= 2:
+        assert m.alpha > 0 or m.beta > 0
+    if method == "pingpong" or n == 1:
+        assert m.beta_node == 0.0
+
+
+def test_calibrate_rejects_unknown_method() -> None:
+    with pytest.raises(ConfigError, match="method"):
+        run_inprocess(2, lambda comm: calibrate(comm, method="guess"))
