@@ -347,15 +347,22 @@ def load_results(paths: list[str]) -> tuple[list[Track], dict[str, Any]]:
     for path in paths:
         data = json.loads(Path(path).read_text())
         metas.append(data["meta"])
+        done = data["meta"].get("rounds_done", data["meta"]["args"]["rounds"])
         for row in data["variants"]:
-            t = Track(known[row["key"]], status=row["status"], acc=row["accuracy"],
+            v = known[row["key"]]
+            if done < data["meta"]["args"]["rounds"]:  # an interrupted run: say so in the row
+                v = Variant(v.key, f"{v.label} (stopped after {done} rounds)", v.overrides,
+                            v.secure)
+            t = Track(v, status=row["status"], acc=row["accuracy"],
                       up_per_site=row["up_per_site"], down_per_site=row["down_per_site"],
                       seconds=row["seconds"], rejected=row["rejected"])
             found[row["key"]] = t
     keys = ("sites", "rounds", "alpha", "max_train", "model", "local_epochs", "batch_size", "lr",
             "momentum", "seed", "common")
     for m in metas[1:]:
-        diff = [k for k in keys if m["args"].get(k) != metas[0]["args"].get(k)]
+        diff = [k for k in keys
+                if m["args"].get(k, [] if k == "common" else None)
+                != metas[0]["args"].get(k, [] if k == "common" else None)]
         if diff:
             raise SystemExit(f"--merge: runs differ in {diff}; merge only runs of one setup")
     meta = dict(metas[0])
