@@ -42,6 +42,10 @@ class Request(Protocol):
         """
         ...
 
+    def done(self) -> bool:
+        """Whether the operation completed (never blocks; errors surface in :meth:`wait`)."""
+        ...
+
 
 @runtime_checkable
 class Communicator(Protocol):

@@ -40,6 +40,9 @@ class _Done:
     def wait(self) -> None:
         return None
 
+    def done(self) -> bool:
+        return True
+
 
 class _Recv:
     def __init__(
@@ -54,6 +57,9 @@ class _Recv:
         self._group, self._box, self._buf = group, box, buf
         self._src, self._dst, self._timeout = src, dst, timeout
         self._done = False
+
+    def done(self) -> bool:
+        return self._done
 
     def wait(self) -> None:
         if self._done:

@@ -87,6 +87,14 @@ class _Work:
             raise _translate(exc, self._what, self._timeout) from exc
         self._work = None
 
+    def done(self) -> bool:
+        if self._work is None:
+            return True
+        try:
+            return bool(self._work.is_completed())
+        except Exception:  # a failed operation: wait() raises the translated error
+            return True
+
 
 class TorchDistCommunicator:
     """A Communicator over a torch.distributed process group.
