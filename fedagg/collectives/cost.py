@@ -16,6 +16,9 @@ communication operations in MPICH", IJHPCA 19(1), 2005, section 4: sending ``m``
   same pipeline over all its steps: ``(2 (g-1) + 2 H_L + S - 1) (alpha + 2 D/S beta) +
   D gamma``.
 
+With ``N = 2`` all three schedules are the same exchange (two steps of ``D/2`` each way per
+rank), and :func:`predict` uses the ring formula for all of them.
+
 Ranks that share one host also share its aggregate copy rate (loopback TCP is memory copies
 done by the CPUs, and with more ranks than cores the ranks queue for them). The max-rate
 model of Gropp, Olson & Samfass, "Modeling MPI communication performance on SMP nodes: is it
@@ -160,7 +163,9 @@ def predict(
     n, d = world_size, float(nbytes)
     if n == 1 or nbytes == 0:
         return 0.0
-    if algorithm == "ring":
+    if algorithm == "ring" or n == 2:
+        # with two ranks the double binary tree and the hierarchical schedule are the ring's
+        # exchange (2 steps, D/2 each way per rank): the ring formula is exact for all three
         link = 2 * (n - 1) * (m.alpha + d / n * m.beta)
         reduce = (n - 1) * d / n * m.gamma
     else:

@@ -201,3 +201,15 @@ def test_calibrate_gives_one_model_on_every_rank(n: int, method: str) -> None:
 def test_calibrate_rejects_unknown_method() -> None:
     with pytest.raises(ConfigError, match="method"):
         run_inprocess(2, lambda comm: calibrate(comm, method="guess"))
+
+
+def test_two_ranks_all_schedules_cost_the_same() -> None:
+    # N = 2: tree and hierarchical are the ring's exchange, step for step and byte for byte
+    ring = get_schedule("ring", 2, 1000)
+    m = CostModel(alpha=1e-4, beta=1e-9, gamma=1e-10, beta_node=1e-9)
+    for alg in SCHEDULED_ALGORITHMS:
+        sched = get_schedule(alg, 2, 1000)
+        assert sched.num_steps == ring.num_steps
+        assert [sched.elements_sent(r) for r in (0, 1)] == [ring.elements_sent(r) for r in (0, 1)]
+        for d in (4, 1 << 20, 1 << 26):
+            assert predict(alg, 2, d, model=m) == pytest.approx(predict("ring", 2, d, model=m))
