@@ -7,6 +7,7 @@ tree of content-addressed objects (records, arrays, 5 MiB array chunks), each se
 
 from __future__ import annotations
 
+import functools
 import io
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -23,6 +24,7 @@ __all__ = [
     "arrays_to_record",
     "config_to_record",
     "message_nbytes",
+    "numpy_array",
     "record_to_arrays",
     "record_to_config",
     "reply_metrics",
@@ -58,15 +60,8 @@ def safe_numpy(array: Array, *, name: str = "array", max_elements: int = 2**31,
         raise UpdateRejected(explain(name, array.stype, "must be numpy-serialized",
                                      "send numpy arrays in the ArrayRecord"))
     data = array.data
-    buf = io.BytesIO(data)
     try:
-        version = npformat.read_magic(buf)
-        if version == (1, 0):
-            shape, fortran, dtype = npformat.read_array_header_1_0(buf)
-        elif version == (2, 0):
-            shape, fortran, dtype = npformat.read_array_header_2_0(buf)
-        else:
-            raise ValueError(f"unsupported npy version {version}")
+        shape, fortran, dtype, offset = _npy_header(data)
     except (ValueError, OSError, SyntaxError, TypeError) as exc:
         raise UpdateRejected(explain(name, f"{len(data)} bytes", f"is not a valid npy array ({exc})",
                                      "send arrays serialized by Flower's ArrayRecord")) from None
@@ -79,13 +74,69 @@ def safe_numpy(array: Array, *, name: str = "array", max_elements: int = 2**31,
     if count > max_elements:
         raise UpdateRejected(explain(f"{name}.shape", tuple(shape), f"claims more than {max_elements} elements",
                                      "send arrays of the model's shapes"))
-    body = len(data) - buf.tell()
+    body = len(data) - offset
     if body != count * dtype.itemsize:
         raise UpdateRejected(explain(name, f"{body} data bytes", f"header says {count * dtype.itemsize}",
                                      "the array is truncated or padded; resend it"))
-    flat = np.frombuffer(data, dtype=dtype, count=count, offset=buf.tell())
+    flat = np.frombuffer(data, dtype=dtype, count=count, offset=offset)
     out = flat.reshape(shape, order="F" if fortran else "C")
     return np.array(out, copy=True) if copy else out  # without copy: a read-only view
+
+
+_NPY_V1 = b"\x93NUMPY\x01\x00"
+_CACHED_HEADER_BYTES = 256
+
+
+def _npy_header(data: bytes) -> tuple[tuple[int, ...], bool, np.dtype[Any], int]:
+    """``(shape, fortran, dtype, data offset)`` of npy bytes (headers of v1 files cached)."""
+    if data[:8] == _NPY_V1 and len(data) >= 10:
+        end = 10 + int.from_bytes(data[8:10], "little")
+        if end <= _CACHED_HEADER_BYTES and len(data) >= end:
+            return _parse_header(bytes(data[:end]))
+    return _parse_header.__wrapped__(data)
+
+
+@functools.lru_cache(maxsize=128)
+def _parse_header(data: bytes) -> tuple[tuple[int, ...], bool, np.dtype[Any], int]:
+    """Parse the npy header at the start of ``data`` with numpy's reader.
+
+    Cached for short headers (:func:`_npy_header`): the same few shapes come back in every
+    message, and numpy's reader evaluates the header dict with ``ast.literal_eval``.
+    """
+    buf = io.BytesIO(data)
+    version = npformat.read_magic(buf)
+    if version == (1, 0):
+        shape, fortran, dtype = npformat.read_array_header_1_0(buf)
+    elif version == (2, 0):
+        shape, fortran, dtype = npformat.read_array_header_2_0(buf)
+    else:
+        raise ValueError(f"unsupported npy version {version}")
+    return tuple(int(d) for d in shape), bool(fortran), dtype, buf.tell()
+
+
+def numpy_array(array: np.ndarray) -> Array:
+    """A Flower ``Array`` of ``array`` (npy bytes as ``np.save`` writes them), with one copy.
+
+    ``Array(ndarray)`` goes through ``np.save`` into a growing ``BytesIO`` and copies its
+    contents out again; this joins a cached header and the array's buffer instead.
+    """
+    a = np.asarray(array)
+    if not a.flags.c_contiguous:
+        a = np.ascontiguousarray(a)
+    if a.dtype.hasobject or a.dtype.fields is not None:
+        return Array(a)
+    header = _npy_header_bytes(a.dtype.str, a.shape)
+    data = b"".join((header, a.data.cast("B") if a.size else b""))
+    return Array(dtype=str(a.dtype), shape=tuple(int(d) for d in a.shape), stype="numpy.ndarray",
+                 data=data)
+
+
+@functools.lru_cache(maxsize=128)
+def _npy_header_bytes(descr: str, shape: tuple[int, ...]) -> bytes:
+    buf = io.BytesIO()
+    npformat.write_array_header_1_0(buf, {"descr": descr, "fortran_order": False,
+                                          "shape": shape})
+    return buf.getvalue()
 
 
 def record_to_arrays(record: ArrayRecord, *, copy: bool = True) -> tuple[list[str], list[np.ndarray]]:

@@ -28,7 +28,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from fedagg.errors import ProtocolError, UpdateRejected, explain
 from fedagg.secagg import Message as SecAggMessage
 from fedagg.secagg import MessageDict, SecAggParams
-from strategies._records import safe_numpy
+from strategies._records import numpy_array, safe_numpy
 
 __all__ = [
     "ARRAYS_KEY",
@@ -61,7 +61,7 @@ def dict_to_records(data: MessageDict) -> tuple[ConfigRecord, ArrayRecord]:
     arrays: dict[str, Array] = {}
     for key, value in data.items():
         if isinstance(value, np.ndarray):
-            arrays[key] = Array(np.ascontiguousarray(value))
+            arrays[key] = numpy_array(value if value.ndim else value.reshape(1))
         elif isinstance(value, (bytes, bytearray)):
             scalars[key] = bytes(value)
         elif isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):

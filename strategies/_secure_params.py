@@ -5,6 +5,7 @@ Split from :mod:`strategies.secure` (which re-exports them) to keep one concept 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -144,11 +145,12 @@ class Exchange:
 
 def check_aggregate(mean: np.ndarray, *, max_norm: float | None, clip: float | None) -> str:
     """Reason to refuse an unmasked mean delta ('' when it is fine): finite, norm, range."""
-    if not bool(np.isfinite(mean).all()):
+    flat = np.asarray(mean, np.float64).reshape(-1)
+    norm = math.sqrt(float(np.dot(flat, flat))) if flat.size else 0.0  # no D-sized temporaries
+    if not math.isfinite(norm) and not bool(np.isfinite(flat).all()):
         return "the unmasked aggregate is not finite"
-    norm = float(np.linalg.norm(mean))
     if max_norm is not None and norm > max_norm:
         return f"aggregate delta norm {norm:.3g} > strategy.max_update_norm={max_norm}"
-    if clip is not None and float(np.abs(mean).max(initial=0.0)) > clip + 1:
+    if clip is not None and flat.size and max(float(flat.max()), -float(flat.min())) > clip + 1:
         return "aggregate outside the clip range (corrupted masks?)"
     return ""

@@ -63,6 +63,8 @@ MAX_RING_BITS: Final = 32
 MIN_RING_BITS: Final = 8
 DEFAULT_PRECISION: Final = 1e-6
 """Default target for the worst-case absolute error of the mean at full weight."""
+_ENCODE_CHUNK: Final = 1 << 16
+"""Values per chunk of :func:`encode` (two 512 KiB float64 scratch buffers)."""
 
 
 def _limit(ring_bits: int) -> int:
@@ -250,16 +252,28 @@ def encode(
     x = np.asarray(values).reshape(-1)
     if not bool(np.isfinite(x.sum(dtype=np.float64))) and not bool(np.isfinite(x).all()):
         raise UpdateRejected(explain("update", "non-finite", "must be finite", "fix training"))
-    # In place on one float64 buffer: clip, scale, add u ~ U[0, 1), floor. floor(s + u) is
-    # floor(s) + 1 with probability frac(s): unbiased stochastic rounding in one pass (the
-    # probability is quantised to the float64 ulp of s, at most 2^-27 of a unit here).
-    scaled = np.clip(x, -clip, clip, out=np.empty(x.size, np.float64))
-    scaled *= float(weight_q)
-    scaled += rng.random(x.size)
-    np.floor(scaled, out=scaled)
-    out = np.empty(x.size + 1, np.uint32)
-    # |scaled| <= clip * 2^f + 1 < 2^31: exact; the int32 view is the value mod 2^32
-    np.copyto(out[:-1].view(np.int32), scaled, casting="unsafe")
+    n = x.size
+    out = np.empty(n + 1, np.uint32)
+    # Chunk by chunk, in two cache-resident float64 scratch buffers (no D-sized temporaries):
+    # clip, scale, add u ~ U[0, 1), floor. floor(s + u) is floor(s) + 1 with probability
+    # frac(s): unbiased stochastic rounding in one pass (the probability is quantised to the
+    # float64 ulp of s, at most 2^-27 of a unit here). The uniforms are drawn in order, so the
+    # result equals the unchunked computation with the same generator.
+    chunk = min(n, _ENCODE_CHUNK)
+    scaled = np.empty(chunk, np.float64)
+    noise = np.empty(chunk, np.float64)
+    signed = out[:-1].view(np.int32)
+    w = float(weight_q)
+    for lo in range(0, n, _ENCODE_CHUNK):
+        m = min(_ENCODE_CHUNK, n - lo)
+        s, u = scaled[:m], noise[:m]
+        np.clip(x[lo : lo + m], -clip, clip, out=s)
+        s *= w
+        rng.random(out=u)
+        s += u
+        np.floor(s, out=s)
+        # |s| <= clip * 2^f + 1 < 2^31: exact; the int32 view is the value mod 2^32
+        np.copyto(signed[lo : lo + m], s, casting="unsafe")
     out[-1] = np.uint32(weight_q)
     return out
 
@@ -282,10 +296,10 @@ def decode_sum(
     if shift:
         t = np.left_shift(t, shift).view(np.int32)
         np.right_shift(t, np.int32(shift), out=t)  # arithmetic: sign-extends from bit b - 1
-        signed = t.astype(np.float64)
     else:
-        signed = t.view(np.int32).astype(np.float64)
-    signed /= 2.0**frac_bits
+        t = t.view(np.int32)
+    # int32 -> float64 and the (exact, power-of-two) scaling in one pass
+    signed = np.multiply(t, 2.0**-frac_bits, dtype=np.float64)
     total_weight = float(signed[-1])
     if total_weight <= 0:
         raise AbortRound("the counted sites have total weight 0; nothing to average")

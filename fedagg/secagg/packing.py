@@ -22,6 +22,9 @@ upload into its running sum without materialising the unpacked vector
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
+
 import numpy as np
 from numpy.typing import NDArray
 
@@ -45,14 +48,22 @@ def packed_words(n: int, bits: int) -> int:
     return n if bits == 32 else bits * -(-n // _LANES)
 
 
-def _layout(bits: int) -> list[tuple[int, int, int]]:
-    """Per lane: (word row, shift, bits in the next row, 0 if the lane fits in one word)."""
+def _classes(bits: int) -> tuple[int, list[tuple[int, int, int, int]]]:
+    """Lanes grouped by bit offset: ``(q, [(j, w, s, spill) for the first p lanes])``.
+
+    Lane ``j`` starts at bit ``j * bits`` of its group: word row ``w``, shift ``s``; ``spill``
+    is 1 when it continues into row ``w + 1``. With ``g = gcd(bits, 32)`` the pattern repeats
+    every ``p = 32 / g`` lanes, ``q = bits / g`` rows further on: lanes ``j, j + p, j + 2p,
+    ...`` share ``s`` and use rows ``w, w + q, w + 2q, ...``, so one strided 2-D numpy
+    operation handles all of them (``p`` classes instead of 32 lanes).
+    """
+    g = math.gcd(bits, 32)
+    p, q = 32 // g, bits // g
     out = []
-    for j in range(_LANES):
-        o = j * bits
-        w, s = divmod(o, 32)
-        out.append((w, s, max(s + bits - 32, 0)))
-    return out
+    for j in range(p):
+        w, s = divmod(j * bits, 32)
+        out.append((j, w, s, int(s + bits > 32)))
+    return q, out
 
 
 def pack(values: NDArray[np.uint32], bits: int) -> NDArray[np.uint32]:
@@ -82,21 +93,58 @@ def pack(values: NDArray[np.uint32], bits: int) -> NDArray[np.uint32]:
     out = np.zeros(bits * lanes, np.uint32)
     if n == 0:
         return out
-    src = np.zeros(_LANES * lanes, np.uint32)
-    np.bitwise_and(v, np.uint32((1 << bits) - 1), out=src[:n])
-    tmp = np.empty(lanes, np.uint32)
+    mask = np.uint32((1 << bits) - 1)
     rows = out.reshape(bits, lanes)
-    for j, (w, s, spill) in enumerate(_layout(bits)):
-        lane = src[j * lanes : (j + 1) * lanes]
+    full = n // lanes  # lanes with all L entries present; lane `full` may be partial
+    q, classes = _classes(bits)
+    tmp = np.empty((2, (full + len(classes) - 1) // len(classes), lanes), np.uint32)
+    for lane_src, step, (_, w, s, spill) in _lane_views(v, full, lanes, q, classes):
+        k, m = lane_src.shape
+        low, t = tmp[0, :k, :m], tmp[1, :k, :m]
+        np.bitwise_and(lane_src, mask, out=low)  # mod 2^b, in a small scratch (no D-sized copy)
+        dst = _rows(rows, w, step, k, m)
         if s:
-            np.left_shift(lane, np.uint32(s), out=tmp)
-            np.bitwise_or(rows[w], tmp, out=rows[w])
+            np.left_shift(low, np.uint32(s), out=t)
+            np.bitwise_or(dst, t, out=dst)
         else:
-            np.bitwise_or(rows[w], lane, out=rows[w])
+            np.bitwise_or(dst, low, out=dst)
         if spill:
-            np.right_shift(lane, np.uint32(32 - s), out=tmp)
-            np.bitwise_or(rows[w + 1], tmp, out=rows[w + 1])
+            dst = _rows(rows, w + 1, step, k, m)
+            np.right_shift(low, np.uint32(32 - s), out=t)
+            np.bitwise_or(dst, t, out=dst)
     return out
+
+
+def _rows(
+    rows: NDArray[np.uint32], start: int, step: int, k: int, m: int
+) -> NDArray[np.uint32]:
+    """Rows ``start, start + step, ...`` (``k`` of them), first ``m`` columns: a strided view."""
+    return rows[start : start + step * (k - 1) + 1 : step, :m]
+
+
+def _lane_views(
+    vec: NDArray[np.uint32],
+    full: int,
+    lanes: int,
+    q: int,
+    classes: list[tuple[int, int, int, int]],
+) -> Iterator[tuple[NDArray[np.uint32], int, tuple[int, int, int, int]]]:
+    """Per lane class: (its lanes of ``vec`` as a ``(k, m)`` view, row step, layout).
+
+    The complete lanes of a class come as one strided ``(k, L)`` view whose rows in the packed
+    array are ``q`` apart; the partial last lane (``vec`` shorter than ``32 * L``) comes as a
+    ``(1, m)`` view of its own.
+    """
+    p = len(classes)
+    bits = q * 32 // p
+    body = vec[: full * lanes].reshape(full, lanes)
+    for c in classes:
+        if c[0] < full:
+            yield body[c[0] :: p], q, c
+    lo = full * lanes
+    if lo < vec.shape[0] and full < _LANES:
+        w, s = divmod(full * bits, 32)
+        yield vec[lo:].reshape(1, -1), 1, (full, w, s, int(s + bits > 32))
 
 
 def _check_packed(packed: NDArray[np.uint32], n: int, bits: int) -> NDArray[np.uint32]:
@@ -159,29 +207,28 @@ def _unpack_into(
     """Write (or add) lane ``j`` of ``rows`` into ``out[j*L : (j+1)*L]`` (unmasked high bits).
 
     ``out`` may be shorter than ``32 * L`` (the padding lanes are then skipped or truncated).
+    The two parts of a lane that spills into the next row do not overlap, so they are added
+    rather than or-ed (bits above ``b`` are garbage either way); lanes are handled a class at
+    a time (:func:`_classes`), as strided 2-D views.
     """
     n = out.shape[0]
-    tmp = np.empty(lanes, np.uint32)
-    tmp2 = np.empty(lanes, np.uint32)
-    for j, (w, s, spill) in enumerate(_layout(bits)):
-        lo = j * lanes
-        if lo >= n:
-            break
-        m = min(lanes, n - lo)
-        dst = out[lo : lo + m]
-        src = rows[w, :m]
-        if spill:
-            t, t2 = tmp[:m], tmp2[:m]
-            np.right_shift(src, np.uint32(s), out=t)
-            np.left_shift(rows[w + 1, :m], np.uint32(32 - s), out=t2)
-            np.bitwise_or(t, t2, out=t)
-            part = t
-        elif s:
-            part = tmp[:m]
-            np.right_shift(src, np.uint32(s), out=part)
-        else:
-            part = src
+    full = min(n // lanes, _LANES)
+    q, classes = _classes(bits)
+    tmp = np.empty(((full + len(classes) - 1) // len(classes) or 1, lanes), np.uint32)
+    for dst, step, (_, w, s, spill) in _lane_views(out, full, lanes, q, classes):
+        k, m = dst.shape
+        t = tmp[:k, :m]
+        src = _rows(rows, w, step, k, m)
         if add:
-            np.add(dst, part, out=dst)
+            if s:
+                np.right_shift(src, np.uint32(s), out=t)
+                np.add(dst, t, out=dst)
+            else:
+                np.add(dst, src, out=dst)
+        elif s:
+            np.right_shift(src, np.uint32(s), out=dst)
         else:
-            np.copyto(dst, part)
+            np.copyto(dst, src)
+        if spill:
+            np.left_shift(_rows(rows, w + 1, step, k, m), np.uint32(32 - s), out=t)
+            np.add(dst, t, out=dst)

@@ -491,7 +491,7 @@ class ServerState:
         return RoundResult(
             epoch=self.epoch,
             round=self._round,
-            mean=weighted_sum / weight,
+            mean=np.divide(weighted_sum, weight, out=weighted_sum),  # a fresh array: in place
             total_weight=weight * self.params.weight_scale,
             counted=counted,
             dropped=tuple(sorted(self._dropped)),
