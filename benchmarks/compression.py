@@ -273,7 +273,7 @@ def table(tracks: list[Track], meta: dict[str, Any]) -> str:
     dense = next((t for t in tracks if t.variant.key == "dense" and t.status == "ok"), None)
     dense_up = statistics.median(dense.up_per_site) if dense and dense.up_per_site else None
     dense_final = dense.acc[-1] if dense and dense.acc else None
-    lines = ["| variant | final acc | best acc | last-10 mean | Δ final vs dense "
+    lines = ["| variant | final acc | best acc | last-10 mean | Δ final vs dense (same round) "
              "| up bytes / site / round (median) | up ratio to dense fp32 "
              "| down bytes / site / round | median s / round | rejected |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -283,7 +283,12 @@ def table(tracks: list[Track], meta: dict[str, Any]) -> str:
             continue
         up = statistics.median(t.up_per_site)
         ratio = f"{up / dense_up:.4f}x ({dense_up / up:.0f}x fewer)" if dense_up else "n/a"
-        delta = f"{100 * (t.acc[-1] - dense_final):+.1f} pp" if dense_final is not None else "n/a"
+        if dense is None or dense_final is None:
+            delta = "n/a"
+        elif len(t.acc) < len(dense.acc):  # stopped early: compare with dense at the same round
+            delta = f"{100 * (t.acc[-1] - dense.acc[len(t.acc) - 1]):+.1f} pp (at round {len(t.acc) - 1})"
+        else:
+            delta = f"{100 * (t.acc[-1] - dense_final):+.1f} pp"
         lines.append(
             f"| {t.variant.label} | {t.acc[-1]:.4f} | {max(t.acc[1:]):.4f} | {_last_mean(t):.4f} "
             f"| {delta} | {up:,.0f} | {ratio} | {statistics.median(t.down_per_site):,.0f} | "
