@@ -89,7 +89,7 @@ class SecretKey:
         32 secret bytes (RFC 7748 section 5; clamping happens inside X25519).
     """
 
-    __slots__ = ("_key",)
+    __slots__ = ("_key", "_shared")
 
     def __init__(self, raw: bytes) -> None:
         if not isinstance(raw, bytes) or len(raw) != KEY_BYTES:
@@ -97,6 +97,7 @@ class SecretKey:
                 explain("secret_key", "<redacted>", "must be 32 bytes", "pass a 32-byte key")
             )
         self._key = X25519PrivateKey.from_private_bytes(raw)
+        self._shared: dict[bytes, bytes] = {}  # peer public -> X25519 output, this object only
 
     @classmethod
     def generate(cls, random_bytes: RandomBytes) -> SecretKey:
@@ -128,10 +129,17 @@ class SecretKey:
             If the shared secret is all zero (a small-order public key).
         """
         check_public_key(peer_public)
-        try:
-            return self._key.exchange(X25519PublicKey.from_public_bytes(peer_public))
-        except ValueError:  # all-zero output: a small-order point
-            raise VerificationError() from None
+        shared = self._shared.get(peer_public)
+        if shared is None:
+            # Memoised for the life of this object (a site encrypts the self-mask shares and
+            # the next key's shares to the same neighbours in one round): no more secret than
+            # the private key kept next to it, and never serialised, logged or shown.
+            try:
+                shared = self._key.exchange(X25519PublicKey.from_public_bytes(peer_public))
+            except ValueError:  # all-zero output: a small-order point
+                raise VerificationError() from None
+            self._shared[bytes(peer_public)] = shared
+        return shared
 
     def __repr__(self) -> str:
         return "SecretKey(<redacted>)"

@@ -205,7 +205,8 @@ def reconstruct(shares: Sequence[Share], threshold: int) -> bytes:
     xs = [s.x for s in chosen]
     _check_points(xs, threshold)
     p = np.uint64(PRIME)
-    acc = np.zeros(NUM_LIMBS, np.uint64)
-    for lam, share in zip(lagrange_at_zero(xs), chosen, strict=True):
-        acc = (acc + np.uint64(lam) * share.y.astype(np.uint64)) % p
+    lam = np.array(lagrange_at_zero(xs), np.uint64)[:, None]
+    ys = np.stack([s.y for s in chosen]).astype(np.uint64)
+    # each product < 2^62, reduced before the sum: t terms < 2^31 sum without overflow
+    acc = ((lam * ys) % p).sum(axis=0, dtype=np.uint64) % p
     return limbs_to_secret(acc)
