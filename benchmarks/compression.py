@@ -19,8 +19,12 @@ engine does not fit the 2-core development machine in 15 minutes.
 
 Usage::
 
-    python benchmarks/compression.py                 # full run (about 10-15 min on 2 cores)
     python benchmarks/compression.py --rounds 3 --variants dense,topk1-ef   # quick look
+    # the documented run (docs/compression.md#results): 150 rounds on McMahan et al.'s 2NN,
+    # variants split over processes, each writing its rounds to JSON, then merged
+    python benchmarks/compression.py --rounds 150 --model 2nn --max-train 8000 \
+        --variants dense --json dense.json       # ... one process per variant group
+    python benchmarks/compression.py --merge dense.json topk1-ef.json ...
 """
 
 from __future__ import annotations
@@ -382,19 +386,19 @@ def plot(tracks: list[Track], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=90)
+    fig, ax = plt.subplots(figsize=(7.5, 5.4), dpi=90)
     for t in tracks:
         if t.status != "ok" or not t.up_per_site:
             continue
         cum = np.concatenate([[0.0], np.cumsum(t.up_per_site)]) / 1e6
         ax.plot(np.maximum(cum, 1e-3), t.acc, marker=".", markersize=3, linewidth=1.2,
-                label=t.variant.label)
+                label=t.variant.label, linestyle="--" if t.variant.secure else "-")
     ax.set_xscale("log")
     ax.set_xlabel("cumulative upward MB per site (log scale)")
     ax.set_ylabel("test accuracy")
     ax.set_title(title, fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png")
