@@ -252,6 +252,12 @@ class SecAggConfig(_Section):
         120.0, gt=0, description="Seconds to wait for replies in the key-setup and unmask "
         "exchanges (the masked upload rides with training and uses run.round_timeout)."
     )
+    threads: int = Field(
+        0, ge=0, le=16,
+        description="Server worker threads for adding uploads and expanding self masks; 0 = "
+        "one per CPU (at most 4), 1 = none. Sites use one per CPU (at most 4). Results are "
+        "bit-identical for any value.",
+    )
 
     @model_validator(mode="after")
     def _check_threshold(self) -> SecAggConfig:

@@ -299,7 +299,8 @@ class SecureAggregation(FedaggStrategy):
             per_round = max(int(n * self.inner.fraction_train), self.inner.min_train_nodes)
             self.params = resolve_params(self.secagg, min(per_round, n),
                                          upload_timeout=round_timeout)
-            self.server = ServerState(self.params, run_id=self._run_id)
+            self.server = ServerState(self.params, run_id=self._run_id,
+                                      threads=self.secagg.threads)
         return self.server
 
     # -- one round -----------------------------------------------------------------------------

@@ -53,6 +53,7 @@ from fedagg.secagg.messages import (
     split_blob,
 )
 from fedagg.secagg.params import SecAggParams
+from fedagg.secagg.threads import resolve_threads
 
 __all__ = ["ClientStage", "ClientState"]
 
@@ -92,9 +93,19 @@ class ClientState:
     random_bytes : callable
         ``random_bytes(n)`` -> ``n`` bytes for keys, seeds, Shamir coefficients and nonces
         (``os.urandom`` in deployment; a seeded generator in tests).
+    threads : int, optional
+        Worker threads for expanding the masks (``None`` / ``0``: automatic, one per CPU up
+        to 4; ``1``: none). The upload does not depend on it (:mod:`fedagg.secagg.threads`).
     """
 
-    def __init__(self, site: int, params: SecAggParams, *, random_bytes: RandomBytes) -> None:
+    def __init__(
+        self,
+        site: int,
+        params: SecAggParams,
+        *,
+        random_bytes: RandomBytes,
+        threads: int | None = None,
+    ) -> None:
         if isinstance(site, bool) or not isinstance(site, (int, np.integer)):
             raise ProtocolError(explain("site", site, "must be an int", "map node ids to indices"))
         if not 0 <= site < shamir.PRIME - 1:
@@ -104,6 +115,7 @@ class ClientState:
         self.site = int(site)
         self.params = params
         self._random_bytes = random_bytes
+        self.threads = resolve_threads(threads)
         self._reset(b"", 0)
 
     def _reset(self, run_id: bytes, epoch: int) -> None:
@@ -329,7 +341,7 @@ class ClientState:
                 b=j,
             )
             signed.append((pairwise_sign(self.site, j), key))
-        add_masks(vector, signed)
+        add_masks(vector, signed, threads=self.threads)
         b_blob = self._encrypt_shares(seed, nbrs, ShareKind.SELF_MASK_SEED, request.round)
         nxt = SecretKey.generate(self._random_bytes)
         next_blob = self._encrypt_shares(

@@ -61,14 +61,25 @@ class LocalFederation:
         Shared parameters.
     seed : int or None
         Deterministic randomness when an int; ``os.urandom`` when None.
+    threads : int or None
+        Worker threads of the server and of each site (``None``: automatic; results do not
+        depend on it, see :mod:`fedagg.secagg.threads`).
     """
 
-    def __init__(self, num_sites: int, params: SecAggParams, *, seed: int | None = 0) -> None:
+    def __init__(
+        self,
+        num_sites: int,
+        params: SecAggParams,
+        *,
+        seed: int | None = 0,
+        threads: int | None = None,
+    ) -> None:
         self.params = params
         self.seed = seed
         self.num_sites = num_sites
+        self.threads = threads
         server_rb = self._random_bytes("server")
-        self.server = ServerState(params, run_id=server_rb(16))
+        self.server = ServerState(params, run_id=server_rb(16), threads=threads)
         self._rbs = {i: self._random_bytes(f"site-{i}") for i in range(num_sites)}
         self.states: dict[int, MessageDict] = {
             i: ClientState(i, params, random_bytes=self._rbs[i]).state_dict()
@@ -80,7 +91,9 @@ class LocalFederation:
         return os.urandom if self.seed is None else deterministic_random_bytes(self.seed, party)
 
     def _on_site(self, site: int, step: Callable[[ClientState], Message]) -> Any:
-        client = ClientState(site, self.params, random_bytes=self._rbs[site])
+        client = ClientState(
+            site, self.params, random_bytes=self._rbs[site], threads=self.threads
+        )
         client.load_state_dict(self.states[site])
         reply = step(client)
         self.states[site] = client.state_dict()
@@ -185,6 +198,7 @@ def run_local(
     seed: int | None = 0,
     clip: float | None = None,
     frac_bits: int | None = None,
+    threads: int | None = None,
 ) -> NDArray[np.float64]:
     """Run key setup and one secure-aggregation round in process; return the weighted mean.
 
@@ -204,6 +218,8 @@ def run_local(
     clip, frac_bits : float or None, int or None
         Encoding parameters. ``clip=None`` uses the smallest power of two covering all
         entries (convenient in simulation; in deployment the clip range is public config).
+    threads : int or None
+        Worker threads per party (``None``: automatic); the result does not depend on it.
 
     Returns
     -------
@@ -232,7 +248,7 @@ def run_local(
         weight_scale=scale,
     )
     params.neighbours_for(len(arrays))  # explain impossible (threshold, k, N) up front
-    fed = LocalFederation(len(arrays), params, seed=seed)
+    fed = LocalFederation(len(arrays), params, seed=seed, threads=threads)
     fed.setup()
     result = fed.run_round(arrays, w, drop_before_upload=before, drop_after_upload=after)
     return result.mean.reshape(arrays[0].shape)

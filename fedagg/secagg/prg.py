@@ -19,9 +19,11 @@ from numpy.typing import NDArray
 
 from fedagg.errors import ProtocolError, explain
 
-__all__ = ["CHUNK_WORDS", "MAX_WORDS", "MaskStream", "keystream", "mask_words"]
+__all__ = ["BLOCK_WORDS", "CHUNK_WORDS", "MAX_WORDS", "MaskStream", "keystream", "mask_words"]
 
 _BLOCK_BYTES: Final = 64
+BLOCK_WORDS: Final = _BLOCK_BYTES // 4
+"""``uint32`` words per ChaCha20 block (the granularity of :class:`MaskStream`'s ``start``)."""
 MAX_WORDS: Final = (2**32 * _BLOCK_BYTES) // 4
 """Most words one key can produce before the 32-bit block counter wraps (RFC 8439 2.4)."""
 CHUNK_WORDS: Final = 1 << 16
@@ -43,14 +45,24 @@ class MaskStream:
     ``uint32``), without materialising the whole mask: :meth:`next_into` writes the next
     ``m <= CHUNK_WORDS`` words into ``out`` (no allocation), so a masking loop can add the
     chunk while it is still in cache.
+
+    ``start`` (a multiple of :data:`BLOCK_WORDS`) starts the stream at word ``start`` of the
+    keystream (ChaCha20's block counter set to ``start / 16``), so disjoint ranges of one mask
+    can be expanded independently (in parallel) and give the same words as one pass.
     """
 
     __slots__ = ("_enc",)
 
-    def __init__(self, key: bytes) -> None:
+    def __init__(self, key: bytes, *, start: int = 0) -> None:
         if len(key) != 32:
             raise ProtocolError(explain("chacha20 key", len(key), "must be 32 bytes", "fix"))
-        self._enc = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor()
+        if start % BLOCK_WORDS or not 0 <= start < MAX_WORDS:
+            raise ProtocolError(
+                explain("start", start, f"must be a multiple of {BLOCK_WORDS} in [0, {MAX_WORDS})",
+                        "start at a block boundary")
+            )
+        nonce = (start // BLOCK_WORDS).to_bytes(4, "little") + bytes(12)  # counter || nonce
+        self._enc = Cipher(algorithms.ChaCha20(key, nonce), mode=None).encryptor()
 
     def next_into(self, out: NDArray[np.uint32]) -> None:
         """Fill ``out`` (contiguous ``uint32``, at most :data:`CHUNK_WORDS`) with the next words."""

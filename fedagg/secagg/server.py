@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
 from enum import IntEnum
 
 import numpy as np
@@ -48,6 +50,7 @@ from fedagg.secagg.messages import (
     split_blob,
 )
 from fedagg.secagg.params import SecAggParams
+from fedagg.secagg.threads import pool, resolve_threads
 
 __all__ = ["RoundResult", "ServerStage", "ServerState"]
 
@@ -112,6 +115,62 @@ class _MaskKey:
     ciphertexts: dict[int, bytes]  # recipient -> encrypted share
 
 
+class _Accumulator:
+    """Running sum of packed uploads, added on arrival (in worker threads when ``threads > 1``).
+
+    With one thread, :meth:`add` unpacks and adds in the caller. With more, each upload is
+    handed to :func:`~fedagg.secagg.threads.pool` and added into one of up to ``threads``
+    private ``uint32`` sums (a task takes a free one or makes a new one), so the server goes on
+    validating the next reply meanwhile; :meth:`result` waits and adds the private sums
+    (addition mod ``2^b`` commutes: the same total as the serial loop).
+    """
+
+    def __init__(self, n: int, bits: int, threads: int) -> None:
+        # a small vector is added faster than a task is handed to a thread
+        self.n, self.bits, self.threads = n, bits, threads if n >= 1 << 16 else 1
+        self._sums: list[NDArray[np.uint32]] = []
+        self._free: queue.SimpleQueue[NDArray[np.uint32]] = queue.SimpleQueue()
+        self._futures: list[Future[None]] = []
+
+    def _take(self) -> NDArray[np.uint32]:
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            acc = np.zeros(self.n, np.uint32)
+            self._sums.append(acc)  # list.append is atomic under the GIL
+            return acc
+
+    def _add(self, packed: NDArray[np.uint32]) -> None:
+        acc = self._take()
+        try:
+            packing.add_unpacked(acc, packed, self.bits)
+        finally:
+            self._free.put(acc)
+
+    def add(self, packed: NDArray[np.uint32]) -> None:
+        """Add one upload (already checked for size and dtype)."""
+        if self.threads <= 1:
+            self._add(packed)
+        else:
+            self._futures.append(pool(self.threads).submit(self._add, packed))
+
+    def cancel(self) -> None:
+        """Drop the sum (pending additions that have not started are cancelled)."""
+        for fut in self._futures:
+            fut.cancel()
+
+    def result(self) -> NDArray[np.uint32]:
+        """The total (waits for pending additions; re-raises the first failure)."""
+        for fut in self._futures:
+            fut.result()
+        if not self._sums:
+            return np.zeros(self.n, np.uint32)
+        total, *rest = self._sums
+        for acc in rest:
+            np.add(total, acc, out=total)
+        return total
+
+
 class ServerState:
     """Secure-aggregation state of the server (one per run).
 
@@ -121,13 +180,20 @@ class ServerState:
         Public parameters (the sites hold equal ones).
     run_id : bytes
         Identifier of the run, bound into every derived key (e.g. 16 random bytes).
+    threads : int, optional
+        Worker threads for unpacking / adding uploads and expanding the self masks
+        (``None`` / ``0``: automatic, one per CPU up to 4; ``1``: none). Results do not
+        depend on it (:mod:`fedagg.secagg.threads`).
     """
 
-    def __init__(self, params: SecAggParams, *, run_id: bytes) -> None:
+    def __init__(
+        self, params: SecAggParams, *, run_id: bytes, threads: int | None = None
+    ) -> None:
         if not isinstance(run_id, bytes) or not 1 <= len(run_id) <= 256:
             raise ConfigError(explain("run_id", run_id, "must be 1..256 bytes", "use 16 bytes"))
         self.params = params
         self.run_id = run_id
+        self.threads = resolve_threads(threads)
         self.stage = ServerStage.IDLE
         self.epoch = 0
         self.last_round = 0
@@ -302,7 +368,7 @@ class ServerState:
         self._nbrs = nbrs
         self._used = {i: (self._keys[i].gen, self._keys[i].public) for i in part}
         self._uploads: set[int] = set()
-        self._total: NDArray[np.uint32] | None = None  # running sum, added on arrival
+        self._total: _Accumulator | None = None  # running sum, added on arrival
         self._commitments: dict[int, bytes] = {}
         self._b_cts: dict[tuple[int, int], bytes] = {}
         self._responses: dict[int, UnmaskResponse] = {}
@@ -348,8 +414,8 @@ class ServerState:
         b_cts = split_blob(msg.b_ciphertexts, len(self._nbrs[i]), "b_ciphertexts")
         next_cts = split_blob(msg.next_ciphertexts, len(self._graph[i]), "next_ciphertexts")
         if self._total is None:
-            self._total = np.zeros(self._dim + 1, np.uint32)
-        packing.add_unpacked(self._total, msg.masked, self._ring_bits)
+            self._total = _Accumulator(self._dim + 1, self._ring_bits, self.threads)
+        self._total.add(msg.masked)
         self._uploads.add(i)
         self._commitments[i] = msg.b_commitment
         self._b_cts.update({(i, j): ct for j, ct in zip(self._nbrs[i], b_cts, strict=True)})
@@ -431,6 +497,9 @@ class ServerState:
         elif self.stage != ServerStage.UNMASKING:
             raise ProtocolError(explain("abort_round", self.stage.name, "no open round", "-"))
         self.stage = ServerStage.READY
+        if self._total is not None:
+            self._total.cancel()
+            self._total = None
 
     def finish_round(self) -> RoundResult:
         """Reconstruct the needed secrets, unmask the sum and decode the weighted mean."""
@@ -452,9 +521,10 @@ class ServerState:
             raise AbortRound(
                 f"round {self._round} aborted: fewer than threshold={t} shares for sites {short}"
             )
-        total = self._total
-        assert total is not None  # close_uploads refuses a round without uploads
+        acc = self._total
+        assert acc is not None  # close_uploads refuses a round without uploads
         self._total = None
+        total = acc.result()
         run_id, epoch, rnd = self.run_id, self.epoch, self._round
         self_keys = []
         for i in counted:
@@ -464,7 +534,7 @@ class ServerState:
                 raise VerificationError()
             key = self_mask_key(seed, run_id=run_id, epoch=epoch, round_number=rnd, site=i)
             self_keys.append((-1, key))
-        add_masks(total, self_keys)
+        add_masks(total, self_keys, threads=self.threads)
         for j in need_s:
             secret = SecretKey(shamir.reconstruct(s_shares[j], t))
             if secret.public_bytes() != self._used[j][1]:
@@ -484,7 +554,7 @@ class ServerState:
                 for i in self._nbrs[j]
                 if i in self._uploads
             ]
-            add_masks(total, pair_keys)
+            add_masks(total, pair_keys, threads=self.threads)
         weighted_sum, weight = fixed_point.decode_sum(total, self._frac_bits, self._ring_bits)
         bound = fixed_point.error_bound(len(counted), weight, self.params.clip, self._frac_bits)
         logger.debug("server: round %d unmasked (%d counted)", self._round, len(counted))
