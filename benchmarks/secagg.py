@@ -42,9 +42,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -53,6 +54,7 @@ from flwr.clientapp import ClientApp
 
 from clients.secure import register, secure_mod
 from fedagg.config import RunConfig, load_config
+from fedagg.secagg.threads import ENV_VAR, auto_threads
 from server.inprocess import InProcessGrid
 from server.runner import client_config
 from strategies._records import arrays_to_record, record_to_arrays
@@ -233,14 +235,20 @@ def _cfg(n: int) -> RunConfig:
                               "secagg.weight_scale=1000", "secagg.clip=1.0"])
 
 
-def bench(n: int, dim: int, rounds: int, *, flower: bool = True) -> dict[str, Any]:
+def _secure_key(t: int, threads: Sequence[int]) -> str:
+    """Result key of the secure protocol with ``t`` threads (the first setting is "secure")."""
+    return "secure" if t == threads[0] else f"secure-t{t}"
+
+
+def bench(n: int, dim: int, rounds: int, *, flower: bool = True,
+          threads: Sequence[int] = (0,)) -> dict[str, Any]:
     """Measure the three protocols for ``n`` sites and ``dim`` values, interleaved by round.
 
     fedagg secure first runs its key-setup round (measured separately); then each of the
     ``rounds`` rounds runs plain FedAvg, fedagg secure and Flower SecAgg+ one after the other,
     so a change in machine load hits all three alike.
     """
-    out: dict[str, Any] = {"fedavg": [], "secure": [], "flower": []}
+    out: dict[str, Any] = {"fedavg": [], "flower": []}
     cfg = _cfg(n)
     expect = np.mean([DELTAS(i, dim).astype(np.float64) for i in range(n)], axis=0)
     arrays = arrays_to_record([np.zeros(dim, np.float32)])
@@ -248,22 +256,40 @@ def bench(n: int, dim: int, rounds: int, *, flower: bool = True) -> dict[str, An
     plain_grid = InProcessGrid(fedagg_app(False), n, seed=n)
     plain_timed = Timed(plain_grid)
     plain = FedAvg()
-    sec_grid = InProcessGrid(fedagg_app(True), n, seed=n)
-    sec_timed = Timed(sec_grid)
-    secure = SecureAggregation(FedAvg(), secagg=cfg.secagg)
     conf = client_config(cfg)
+    # one secure federation per thread setting (server: secagg.threads; sites: the env var)
+    secures = {}
+    for t in threads:
+        grid = InProcessGrid(fedagg_app(True), n, seed=n)
+        strategy = SecureAggregation(FedAvg(), secagg=cfg.secagg.model_copy(update={"threads": t}))
+        secures[t] = (grid, Timed(grid), strategy)
 
-    def secure_round(rnd: int, wire: bool) -> dict[str, float]:
+    def secure_round(rnd: int, wire: bool, t: int) -> dict[str, float]:
+        sec_grid, sec_timed, secure = secures[t]
         box: dict[str, Any] = {}
-        run = sec_timed.measure(lambda: box.update(
-            r=secure.train_round(sec_grid, rnd, arrays, conf, 600.0)), wire=wire)
+        old = os.environ.get(ENV_VAR)
+        os.environ[ENV_VAR] = str(t or auto_threads())
+        try:
+            run = sec_timed.measure(lambda: box.update(
+                r=secure.train_round(sec_grid, rnd, arrays, conf, 600.0)), wire=wire)
+        finally:
+            if old is None:
+                del os.environ[ENV_VAR]
+            else:
+                os.environ[ENV_VAR] = old
         run["exchanges"] = box["r"].exchanges
         got = record_to_arrays(box["r"].arrays)[1][0]
         err = float(np.abs(got - expect).max())
         assert err < 1e-4, f"fedagg secure result off by {err}"
         return run
 
-    out["secure_setup"] = secure_round(1, True)
+    for t in threads:
+        out[_secure_key(t, threads)] = []
+    t0_ = threads[0]
+    out["secure_setup"] = secure_round(1, True, t0_)
+    for t in threads[1:]:
+        secure_round(1, True, t)
+    secure = secures[t0_][2]
     assert secure.params is not None and secure.last_result is not None
     k, t = secure.params.neighbours_for(n), secure.params.threshold
     out["k"], out["t"] = k, t
@@ -281,7 +307,8 @@ def bench(n: int, dim: int, rounds: int, *, flower: bool = True) -> dict[str, An
             wire=wire)
         run["exchanges"] = res["r"].exchanges
         out["fedavg"].append(run)
-        out["secure"].append(secure_round(rnd + 1, wire))
+        for t in threads:
+            out[_secure_key(t, threads)].append(secure_round(rnd + 1, wire, t))
         if flower:
             fbox: dict[str, Any] = {}
             out["flower"].append(fl_timed.measure(
@@ -303,7 +330,9 @@ def table(results: dict[tuple[int, int], dict[str, Any]]) -> str:
     lines = ["| N | D | protocol | round s | server s | site s | exchanges | up/site (x fp32) |",
              "|---|---|---|---|---|---|---|---|"]
     for (n, dim), res in results.items():
-        for name, label in (("flower", "Flower SecAgg+"), ("secure", "fedagg secure"),
+        extra = [(k, f"fedagg secure, {k.split('-t')[1]} thread(s)")
+                 for k in res if k.startswith("secure-t")]
+        for name, label in (("flower", "Flower SecAgg+"), ("secure", "fedagg secure"), *extra,
                             ("secure_setup", "fedagg secure, key-setup round"),
                             ("fedavg", "plain FedAvg")):
             if name not in res:
@@ -329,6 +358,13 @@ def ratios(results: dict[tuple[int, int], dict[str, Any]]) -> str:
                      f"{sec / _med(res['fedavg'], 'round'):.2f}x | "
                      f"{_med(res['secure'], 'up_site') / (4 * dim):.4f} | "
                      f"{_med(res['secure'], 'up_site') / _med(res['fedavg'], 'up_site'):.4f} |")
+    paired = [
+        f"N={n} D={dim:,} {k}: " + ", ".join(
+            f"{a['round'] / b['round']:.2f}x" for a, b in zip(res[k], res["fedavg"], strict=True))
+        for (n, dim), res in results.items() for k in res
+        if k == "secure" or k.startswith("secure-t")
+    ]
+    lines += ["", "per-round ratios to the plain FedAvg round run just before it:", *paired]
     return "\n".join(lines)
 
 
@@ -349,18 +385,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--big-rounds", type=int, default=1,
                    help="rounds per protocol when N * D >= 5e7 (Flower SecAgg+ is slow there)")
     p.add_argument("--no-flower", action="store_true")
+    p.add_argument("--threads", type=int, nargs="+", default=[0],
+                   help="fedagg secure worker threads (server secagg.threads and sites' "
+                        f"{ENV_VAR}); 0 = auto; several values run side by side, interleaved")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     for name in ("flwr", "strategies", "fedagg"):
         logging.getLogger(name).setLevel(logging.ERROR)
     results: dict[tuple[int, int], dict[str, Any]] = {}
     t0 = time.perf_counter()
-    print(f"load average at start: {_loadavg()}", flush=True)
+    print(f"load average at start: {_loadavg()}; fedagg secure threads {args.threads} "
+          f"(0 = auto = {auto_threads()})", flush=True)
     for n in args.sites:
         for dim in args.dims:
             t1 = time.perf_counter()
             rounds = args.big_rounds if n * dim >= 50_000_000 else args.rounds
-            results[(n, dim)] = bench(n, dim, rounds, flower=not args.no_flower)
+            results[(n, dim)] = bench(n, dim, rounds, flower=not args.no_flower,
+                                      threads=args.threads)
             print(f"N={n} D={dim}: {rounds} round(s), {time.perf_counter() - t1:.0f} s", flush=True)
             print(table({(n, dim): results[(n, dim)]}), flush=True)
     print()

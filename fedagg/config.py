@@ -255,8 +255,9 @@ class SecAggConfig(_Section):
     threads: int = Field(
         0, ge=0, le=16,
         description="Server worker threads for adding uploads and expanding self masks; 0 = "
-        "one per CPU (at most 4), 1 = none. Sites use one per CPU (at most 4). Results are "
-        "bit-identical for any value.",
+        "$FEDAGG_SECAGG_THREADS if set, else one per CPU (at most 4); 1 = none. Sites use "
+        "$FEDAGG_SECAGG_THREADS or one per CPU (at most 4). Results are bit-identical for any "
+        "value.",
     )
 
     @model_validator(mode="after")

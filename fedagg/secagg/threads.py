@@ -8,8 +8,10 @@ a site or server. Work is split so the result is bit-identical to the serial loo
 ranges of the vector (keystreams seek to the range's ChaCha20 block counter), or private
 ``uint32`` accumulators summed at the end (addition mod ``2^b`` commutes).
 
-``threads`` everywhere means: ``None`` or ``0`` = automatic (:func:`auto_threads`), ``1`` = the
-serial path in the calling thread (no pool is created), ``n > 1`` = at most ``n`` threads.
+``threads`` everywhere means: ``None`` or ``0`` = automatic, ``1`` = the serial path in the
+calling thread (no pool is created), ``n > 1`` = at most ``n`` threads. Automatic is the
+environment variable ``FEDAGG_SECAGG_THREADS`` when set (so an operator can cap a site's or
+server's threads without touching the run config), else :func:`auto_threads`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from fedagg.errors import ConfigError, explain
 
-__all__ = ["MAX_THREADS", "auto_threads", "pool", "resolve_threads", "run_all"]
+__all__ = ["ENV_VAR", "MAX_THREADS", "auto_threads", "pool", "resolve_threads", "run_all"]
+
+ENV_VAR = "FEDAGG_SECAGG_THREADS"
+"""Environment variable read for automatic ``threads`` (an int in ``[1, MAX_THREADS]``)."""
 
 MAX_THREADS = 16
 """Upper bound on ``threads`` (beyond it memory bandwidth, not cores, binds)."""
@@ -41,15 +46,28 @@ def auto_threads() -> int:
 
 
 def resolve_threads(threads: int | None) -> int:
-    """``threads`` as a count (``None`` / ``0`` -> :func:`auto_threads`).
+    """``threads`` as a count (``None`` / ``0`` -> :data:`ENV_VAR` if set, else
+    :func:`auto_threads`).
 
     Raises
     ------
     ConfigError
-        Not an int in ``[0, MAX_THREADS]``.
+        Not an int in ``[0, MAX_THREADS]`` (or :data:`ENV_VAR` not one in ``[1, MAX_THREADS]``).
     """
-    if threads is None or threads == 0:
-        return auto_threads()
+    if threads is None or (threads == 0 and not isinstance(threads, bool)):
+        env = os.environ.get(ENV_VAR, "").strip()
+        if not env:
+            return auto_threads()
+        if not env.isdigit() or not 1 <= int(env) <= MAX_THREADS:
+            raise ConfigError(
+                explain(
+                    ENV_VAR,
+                    env,
+                    f"must be an int in [1, {MAX_THREADS}]",
+                    f"unset it for automatic threads, or e.g. {ENV_VAR}=2",
+                )
+            )
+        return int(env)
     if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
         raise ConfigError(
             explain("threads", threads, f"must be an int in [0, {MAX_THREADS}] (0 = auto)",

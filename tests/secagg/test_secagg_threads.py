@@ -18,7 +18,7 @@ from fedagg.errors import AbortRound, ConfigError, ProtocolError
 from fedagg.secagg import LocalFederation, SecAggParams, ServerState
 from fedagg.secagg.masking import add_masks
 from fedagg.secagg.prg import BLOCK_WORDS, CHUNK_WORDS, MaskStream, keystream, mask_words
-from fedagg.secagg.threads import auto_threads, resolve_threads, run_all
+from fedagg.secagg.threads import ENV_VAR, auto_threads, resolve_threads, run_all
 
 KEY = bytes(range(32))
 
@@ -117,9 +117,20 @@ def test_bad_thread_counts_are_refused_with_the_field_named(bad: object) -> None
         ServerState(SecAggParams(threshold=2), run_id=b"x" * 16, threads=bad)  # type: ignore[arg-type]
 
 
-def test_auto_threads_is_the_cpus_at_most_four() -> None:
+def test_auto_threads_is_the_cpus_at_most_four(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_VAR, raising=False)
     assert 1 <= auto_threads() <= 4
     assert resolve_threads(0) == resolve_threads(None) == auto_threads()
+
+
+def test_environment_variable_sets_automatic_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_VAR, "3")
+    assert resolve_threads(None) == resolve_threads(0) == 3
+    assert resolve_threads(2) == 2  # an explicit count wins
+    for bad in ("0", "x", "-1", "99"):
+        monkeypatch.setenv(ENV_VAR, bad)
+        with pytest.raises(ConfigError, match=ENV_VAR):
+            resolve_threads(None)
 
 
 def test_run_all_runs_every_task_and_reraises_the_first_failure() -> None:
