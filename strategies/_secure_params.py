@@ -51,8 +51,9 @@ def secure_spec(up: str, support: str) -> str:
     Masks cancel only on coordinates that every site sends, so a sparse secure upload must
     use a support derived from public information: ``compression.support`` = ``random``,
     ``block`` or ``topk-aggregate`` (or a ``shared`` / ``block`` / ``aggtopk`` stage written
-    out). Allowed stages: that one sparsifier and ``ef``. The values are encoded to 32-bit
-    fixed point for masking, so a quantizer stage (``int8``, ``fp16``, ``bf16``) is refused.
+    out). Allowed stages: that one sparsifier and ``ef``. The values are encoded to fixed point
+    in the ring ``Z_2^b`` for masking (``secagg.ring_bits`` / ``secagg.precision``; ``b <= 32``
+    bits per value on the wire), so a quantizer stage (``int8``, ``fp16``, ``bf16``) is refused.
 
     Raises
     ------
@@ -85,7 +86,8 @@ def secure_spec(up: str, support: str) -> str:
         raise ConfigError(explain(
             "compression.up", up,
             f"the quantizer '{quant[0]}' is meaningless under secure aggregation: masked values "
-            "are 32-bit fixed point (secagg.frac_bits), so it would only add error; secure "
+            "are fixed point in a ring of at most 32 bits (secagg.precision / secagg.ring_bits "
+            "set the width and precision), so it would only add error; secure "
             "uploads are dense or sparse on a public support",
             "drop the quantizer stage, e.g. compression.up = 'topk:0.01+ef' with "
             "compression.support = 'random'"))
