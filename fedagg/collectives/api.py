@@ -15,9 +15,16 @@ import time
 
 import torch
 
-from fedagg.collectives.communicator import Communicator
+from fedagg.collectives.communicator import Communicator, Request
 from fedagg.collectives.cost import CostModel, choose_algorithm, get_default_cost_model
-from fedagg.collectives.executor import DEFAULT_SEGMENT_BYTES, CollectiveStats, execute
+from fedagg.collectives.executor import (
+    DEFAULT_SEGMENT_BYTES,
+    RIDE_BYTES,
+    CollectiveStats,
+    HeaderExchange,
+    _scratch,
+    execute,
+)
 from fedagg.collectives.schedule import SCHEDULED_ALGORITHMS, get_schedule
 from fedagg.errors import CollectiveError, ConfigError, explain
 
@@ -53,6 +60,7 @@ _FIELDS = (
     "group_size",
     "segment_elems",
 )
+_HEADER_BYTES = 8 * len(_FIELDS)
 _local = threading.local()
 
 
@@ -146,6 +154,71 @@ def _exchange_headers(comm: Communicator, header: torch.Tensor) -> list[list[int
         req.wait()
     mine = [int(v) for v in header.tolist()]
     return [mine if r == rank else [int(v) for v in bufs[r].tolist()] for r in range(n)]
+
+
+def _exchange_header_messages(
+    comm: Communicator, header: torch.Tensor, payloads: dict[int, torch.Tensor]
+) -> tuple[list[list[int]], dict[int, torch.Tensor], list[tuple[Request, torch.Tensor]]]:
+    """One byte message to every peer: the header, then the step-0 data that rides with it.
+
+    Every rank posts its receives with room for the header plus
+    :data:`~fedagg.collectives.executor.RIDE_BYTES`, whatever its own input, so no
+    message can be longer than its receive (gloo aborts the process on that); messages may be
+    shorter. Returns every rank's header, the received messages per peer, and the pending
+    sends (request, buffer).
+    """
+    n, rank = comm.world_size, comm.rank
+    peers = [r for r in range(n) if r != rank]
+    cap = _HEADER_BYTES + RIDE_BYTES
+    rbuf = _scratch(len(peers) * cap, torch.uint8, header.device, "header-recv")
+    regions = {p: rbuf[i * cap : (i + 1) * cap] for i, p in enumerate(peers)}
+    recvs = [comm.irecv(regions[p], p) for p in peers]
+    size = {
+        p: _HEADER_BYTES
+        + (payloads[p].numel() * payloads[p].element_size() if p in payloads else 0)
+        for p in peers
+    }
+    sbuf = _scratch(sum(size.values()), torch.uint8, header.device, "header-send")
+    head = header.view(torch.uint8)
+    sends: list[tuple[Request, torch.Tensor]] = []
+    pos = 0
+    for p in peers:
+        msg = sbuf[pos : pos + size[p]]
+        pos += size[p]
+        msg[:_HEADER_BYTES].copy_(head)
+        if p in payloads:
+            msg[_HEADER_BYTES:].copy_(payloads[p].reshape(-1).view(torch.uint8))
+        sends.append((comm.isend(msg, p), msg))
+    for req in recvs:
+        req.wait()
+    mine = [int(v) for v in header.tolist()]
+    headers = [
+        mine
+        if r == rank
+        else [int(v) for v in regions[r][:_HEADER_BYTES].view(torch.int64).tolist()]
+        for r in range(n)
+    ]
+    return headers, regions, sends
+
+
+def _header_hook(comm: Communicator, header: torch.Tensor, wire: torch.dtype) -> HeaderExchange:
+    """The header round of a scheduled all-reduce, carrying step-0 data (see ``execute``)."""
+
+    def exchange(
+        payloads: dict[int, torch.Tensor], expects: dict[int, int]
+    ) -> tuple[dict[int, torch.Tensor], list[tuple[Request, torch.Tensor]]]:
+        headers, regions, pending = _exchange_header_messages(comm, header, payloads)
+        try:
+            _check_headers(headers)
+        except CollectiveError:
+            for req, _ in pending:  # every peer posted a receive for it: completes at once
+                req.wait()
+            raise
+        end = {p: _HEADER_BYTES + ln * wire.itemsize for p, ln in expects.items()}
+        received = {p: regions[p][_HEADER_BYTES : end[p]].view(wire) for p in expects}
+        return received, pending
+
+    return exchange
 
 
 def _check_headers(headers: list[list[int]]) -> None:
@@ -276,6 +349,7 @@ def all_reduce(
         if isinstance(segment_bytes, int)
         else 1
     )
+    hook: HeaderExchange | None = None
     if check and n > 1:
         device = tensor.device if isinstance(tensor, torch.Tensor) else torch.device("cpu")
         header = torch.tensor(
@@ -293,13 +367,21 @@ def all_reduce(
             dtype=torch.int64,
             device=device,
         )
-        headers = _exchange_headers(comm, header)
-        if error is not None:
-            raise error
-        _check_headers(headers)
+        if comm.pipelined and error is None and resolved != "native":
+            assert wire is not None  # narrowed above; not input validation
+            hook = _header_hook(comm, header, wire)  # the header rides with step-0 data
+        else:
+            if comm.pipelined:
+                headers, _, pending = _exchange_header_messages(comm, header, {})
+                for req, _ in pending:
+                    req.wait()
+            else:
+                headers = _exchange_headers(comm, header)
+            if error is not None:
+                raise error
+            _check_headers(headers)
     elif error is not None:
         raise error
-
     st = CollectiveStats() if stats is None else stats
     st.algorithm, st.world_size, st.rank, st.numel = resolved, n, comm.rank, numel
     st.dtype = str(tensor.dtype).removeprefix("torch.")
@@ -316,7 +398,9 @@ def all_reduce(
         flat = tensor.view(-1)
         work = flat if flat.dtype == acc else flat.to(acc)
         schedule = get_schedule(resolved, n, numel, group_size=group_size)
-        execute(schedule, comm, work, wire_dtype=wire, segment_elems=seg_elems, stats=st)
+        execute(
+            schedule, comm, work, wire_dtype=wire, segment_elems=seg_elems, stats=st, header=hook
+        )
         if op == "avg" and n > 1:
             work.div_(n)
         if work is not flat:

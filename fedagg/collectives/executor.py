@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +29,15 @@ import torch
 from fedagg.collectives.communicator import Communicator, Request
 from fedagg.collectives.schedule import Op, Schedule, Transfer, chunk_bounds
 
-__all__ = ["DEFAULT_SEGMENT_BYTES", "MAX_SEGMENTS", "CollectiveStats", "execute", "segments"]
+__all__ = [
+    "DEFAULT_SEGMENT_BYTES",
+    "MAX_SEGMENTS",
+    "RIDE_BYTES",
+    "CollectiveStats",
+    "HeaderExchange",
+    "execute",
+    "segments",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -37,6 +46,17 @@ DEFAULT_SEGMENT_BYTES = 4 << 20
 
 MAX_SEGMENTS = 64
 """At most this many segments per chunk (bounds per-message overhead on huge tensors)."""
+
+RIDE_BYTES = 1 << 20
+"""A first segment of at most this many bytes (on the wire) rides in the header message.
+
+With the consistency header on (:func:`fedagg.collectives.api.all_reduce`), segment 0 of the
+first step-0 transfer between two ranks travels inside the header message when it is this
+small: one message less per peer, which is what counts for small tensors. Every rank posts
+the header receive with room for this many payload bytes before it knows its peers' inputs,
+so the bound is a constant, never a per-call value. Larger segments go separately, after the
+check, as without the header.
+"""
 
 
 @dataclass
@@ -89,15 +109,27 @@ def segments(offset: int, length: int, segment_elems: int) -> list[tuple[int, in
 _cache = threading.local()
 
 
-def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A per-thread receive buffer of at least ``numel`` elements, reused across calls."""
-    pool: dict[tuple[torch.dtype, torch.device], torch.Tensor] = getattr(_cache, "pool", {})
+def _scratch(
+    numel: int, dtype: torch.dtype, device: torch.device, purpose: str = "recv"
+) -> torch.Tensor:
+    """A per-thread buffer of at least ``numel`` elements, reused across calls."""
+    pool: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = getattr(_cache, "pool", {})
     _cache.pool = pool
-    buf = pool.get((dtype, device))
+    buf = pool.get((purpose, dtype, device))
     if buf is None or buf.numel() < numel:
         buf = torch.empty(numel, dtype=dtype, device=device)
-        pool[(dtype, device)] = buf
+        pool[(purpose, dtype, device)] = buf
     return buf
+
+
+class _Received:
+    """A receive that already completed (its data came with the consistency header)."""
+
+    def wait(self) -> None:
+        return None
+
+    def done(self) -> bool:
+        return True
 
 
 class _Run:
@@ -119,6 +151,7 @@ class _Run:
         self.stats = stats
         self.prog = schedule.program(comm.rank)
         self.segs = [segments(off, ln, segment_elems) for off, ln in schedule.chunks]
+        self.ride_elems = RIDE_BYTES // wire_dtype.itemsize
         per_step = [sum(self.chunk_elems(t) for t in recvs) for _, recvs in self.prog]
         self.half = max(per_step, default=0)
         self.scratch = _scratch(2 * self.half, self.wire, work.device)
@@ -126,6 +159,56 @@ class _Run:
         self.sends: list[tuple[Request, torch.Tensor]] = []
         self.posted: dict[int, list[tuple[Transfer, int, torch.Tensor, Request]]] = {}
         self.next_direct: dict[int, int] = {}
+        self.early_sent: set[tuple[Transfer, int]] = set()  # step-0 segments sent with the header
+        self.early_recv: dict[tuple[Transfer, int], torch.Tensor] = {}  # ... and received
+
+    def rides(self, transfers: list[Transfer], peer: int, outgoing: bool) -> Transfer | None:
+        """The step-0 transfer whose segment 0 travels in the header message to/from ``peer``.
+
+        The first non-empty transfer of step 0 between this rank and ``peer`` (both ends see
+        the same one: they filter the same step in the same order), if its segment 0 is at
+        most :data:`RIDE_BYTES` and it is not a ``copy`` with a low-precision wire (which
+        rounds the local value on sending).
+        """
+        for t in transfers:
+            if (t.dst if outgoing else t.src) == peer and self.segs[t.chunk]:
+                if self.convert and t.op is Op.COPY:
+                    return None
+                return t if self.segs[t.chunk][0][1] <= self.ride_elems else None
+        return None
+
+    def header_payloads(self) -> dict[int, torch.Tensor]:
+        """Per peer, the step-0 data that rides with this rank's header (counted as sent)."""
+        out: dict[int, torch.Tensor] = {}
+        if not self.prog:
+            return out
+        for dst in {t.dst for t in self.prog[0][0]}:
+            t = self.rides(self.prog[0][0], dst, outgoing=True)
+            if t is not None:
+                out[dst] = self.payload(t, 0)
+                self.count_send(out[dst])
+                self.early_sent.add((t, 0))
+        return out
+
+    def header_expects(self) -> dict[int, int]:
+        """Per peer, how many wire elements ride with its header to this rank."""
+        out: dict[int, int] = {}
+        if not self.prog:
+            return out
+        for src in {t.src for t in self.prog[0][1]}:
+            t = self.rides(self.prog[0][1], src, outgoing=False)
+            if t is not None:
+                out[src] = self.segs[t.chunk][0][1]
+        return out
+
+    def accept_header_payloads(self, received: dict[int, torch.Tensor]) -> None:
+        """Hand over the step-0 data that came with the peers' headers (wire dtype views)."""
+        if not self.prog:
+            return
+        for src, data in received.items():
+            t = self.rides(self.prog[0][1], src, outgoing=False)
+            if t is not None:
+                self.early_recv[(t, 0)] = data
 
     def chunk_elems(self, t: Transfer) -> int:
         return sum(ln for _, ln in self.segs[t.chunk])
@@ -150,6 +233,8 @@ class _Run:
     def issue_sends(self, step: int, k: int) -> None:
         for t in self.prog[step][0]:
             if k < len(self.segs[t.chunk]):
+                if step == 0 and (t, k) in self.early_sent:
+                    continue
                 data = self.payload(t, k)
                 req = self.comm.isend(data, t.dst)
                 self.count_send(data)
@@ -165,6 +250,10 @@ class _Run:
             for t in recvs:
                 if k < len(self.segs[t.chunk]):
                     ln = self.segs[t.chunk][k][1]
+                    early = self.early_recv.pop((t, k), None) if step == 0 else None
+                    if early is not None:
+                        items.append((t, k, early, _Received()))
+                        continue
                     tmp = self.scratch[pos : pos + ln]
                     pos += ln
                     items.append((t, k, tmp, self.comm.irecv(tmp, t.src)))
@@ -192,6 +281,10 @@ class _Run:
         """Post segment ``k`` of a direct step, once every earlier access to it is done."""
         for t in self.prog[step][1]:
             if k < len(self.segs[t.chunk]):
+                early = self.early_recv.pop((t, k), None) if step == 0 else None
+                if early is not None:
+                    self.posted[step].append((t, k, early, _Received()))
+                    continue
                 for req in self.readers.pop((t.chunk, k), ()):
                     req.wait()
                 off, ln = self.segs[t.chunk][k]
@@ -291,6 +384,20 @@ class _Run:
                 self.apply(t, k, tmp)
 
 
+HeaderExchange = Callable[
+    [dict[int, torch.Tensor], dict[int, int]],
+    tuple[dict[int, torch.Tensor], list[tuple[Request, torch.Tensor]]],
+]
+"""``(payloads, expects) -> (received, pending_sends)``: the consistency-header round.
+
+``payloads`` maps a peer to the step-0 data (wire dtype) that should ride in this rank's header
+message to it; ``expects`` maps a peer to the number of wire elements its header message
+carries for this rank. The callable exchanges the headers, raises if they disagree, and returns
+the received data per peer (``expects[peer]`` elements each) and its pending sends (request and
+the buffer it reads), which the executor waits on before returning.
+"""
+
+
 def execute(
     schedule: Schedule,
     comm: Communicator,
@@ -299,6 +406,7 @@ def execute(
     wire_dtype: torch.dtype | None = None,
     segment_elems: int = DEFAULT_SEGMENT_BYTES // 4,
     stats: CollectiveStats | None = None,
+    header: HeaderExchange | None = None,
 ) -> CollectiveStats:
     """Run this rank's part of ``schedule`` on the flat buffer ``work``, in place.
 
@@ -318,6 +426,11 @@ def execute(
         Pipelining segment length in elements.
     stats : CollectiveStats, optional
         Counters to add to; a new object is returned if omitted.
+    header : HeaderExchange, optional
+        Called once before any other message: on a pipelined communicator, a small segment 0
+        of the first step-0 transfer between two ranks travels inside the header message
+        (one message less per peer, see :data:`RIDE_BYTES`); otherwise it is called with
+        nothing to carry.
 
     Returns
     -------
@@ -328,9 +441,18 @@ def execute(
     run = _Run(
         schedule, comm, work, work.dtype if wire_dtype is None else wire_dtype, segment_elems, stats
     )
+    if header is not None:
+        if comm.pipelined:
+            received, pending = header(run.header_payloads(), run.header_expects())
+            run.accept_header_payloads(received)
+        else:
+            _, pending = header({}, {})
+        run.sends.extend(pending)
     if comm.pipelined:
         run.run_pipelined()
     else:
         run.run_grouped()
+        for req, _ in run.sends:
+            req.wait()
     stats.steps += schedule.num_steps
     return stats

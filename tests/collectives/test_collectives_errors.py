@@ -128,3 +128,14 @@ def test_default_comm_without_process_group_explains_the_fix() -> None:
 def test_group_rejects_bad_world_size() -> None:
     with pytest.raises(ConfigError, match="world_size"):
         InProcessGroup(0)
+
+
+def test_group_is_clean_after_a_mismatch() -> None:
+    """The header messages carry step-0 data; after a mismatch nothing is left in flight."""
+
+    def fn(comm: InProcessCommunicator) -> list[float]:
+        with pytest.raises(CollectiveError, match="numel"):
+            all_reduce(torch.ones(4096 + comm.rank), algorithm="ring", comm=comm)
+        return all_reduce(torch.ones(4096), algorithm="ring", comm=comm)[:2].tolist()
+
+    assert run_inprocess(3, fn, timeout=20) == [[3.0, 3.0]] * 3

@@ -72,6 +72,8 @@ def _errors(comm: TorchDistCommunicator) -> list[str]:
         out.append("no error")
     except CollectiveError as exc:
         out.append(f"{type(exc).__name__}: {exc}")
+    t = all_reduce(torch.ones(4096), algorithm="ring", comm=comm)  # nothing left in flight
+    out.append(f"after mismatches: {t[0].item()}")
     short = TorchDistCommunicator(timeout=1.0)
     if comm.rank == comm.world_size - 1:  # the last rank never joins this call
         time.sleep(2.0)  # but stays alive, so its peers must time out
@@ -95,5 +97,6 @@ def test_gloo_bad_input_raises_on_every_rank_and_times_out() -> None:
     for rank, res in enumerate(results):
         assert res[0].startswith("CollectiveError") and "numel" in res[0], res
         assert res[1].startswith("CollectiveError") and "dtype" in res[1], res
+        assert res[2] == f"after mismatches: {len(results)}.0", res
         if rank != 1:
-            assert res[2].startswith("CollectiveTimeout"), res
+            assert res[3].startswith("CollectiveTimeout"), res

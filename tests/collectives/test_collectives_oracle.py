@@ -15,6 +15,7 @@ from fedagg.collectives import (
     last_stats,
     run_inprocess,
 )
+from fedagg.collectives.executor import RIDE_BYTES
 
 ALGS = ("ring", "tree", "hierarchical", "native", "auto")
 PRIMES = (2, 3, 7, 13, 101)
@@ -139,3 +140,25 @@ def test_property_integer_valued_sums_are_exact(
     expected = torch.stack(xs).sum(0)
     for t, _ in _run(xs, algorithm=algorithm, segment_bytes=seg, group_size=group):
         assert torch.equal(t, expected)
+
+
+@pytest.mark.parametrize("algorithm", ("ring", "tree", "hierarchical"))
+@pytest.mark.parametrize("n", (2, 3, 4))
+def test_step0_data_riding_in_the_header_message(algorithm: str, n: int) -> None:
+    """Small first segments travel in the header message, larger ones separately: same sums.
+
+    Counts: ``messages_sent`` includes the riding segments, so it equals the run without the
+    header (``check=False``), and ``bytes_sent`` is the schedule's.
+    """
+    for d, seg in ((4099, 4 << 20), (4099, 1024), (RIDE_BYTES // 4 * n + 2 * n, 4 << 20)):
+        xs = _inputs(n, d, seed=d)
+        expected = torch.stack([x.double() for x in xs]).sum(0)
+        checked = _run(xs, algorithm=algorithm, segment_bytes=seg)
+        unchecked = _run(xs, algorithm=algorithm, segment_bytes=seg, check=False)
+        sched = get_schedule(algorithm, n, d)
+        for rank, ((t, st), (u, su)) in enumerate(zip(checked, unchecked, strict=True)):
+            torch.testing.assert_close(t.double(), expected, rtol=1e-5, atol=1e-5)
+            assert torch.equal(t, u)
+            assert st is not None and su is not None
+            assert st.bytes_sent == 4 * sched.elements_sent(rank)
+            assert st.messages_sent == su.messages_sent
