@@ -88,7 +88,12 @@ class Communicator(Protocol):
         ...
 
     def irecv(self, tensor: torch.Tensor, src: int) -> Request:
-        """Post a receive from ``src`` into ``tensor`` (same length and dtype as sent)."""
+        """Post a receive from ``src`` into ``tensor`` (same length and dtype as sent).
+
+        A ``torch.uint8`` buffer also takes a shorter message, which fills its prefix (as gloo
+        does for any buffer); the consistency header relies on that. A longer message is an
+        error (gloo aborts the process), so receives must never be shorter than the message.
+        """
         ...
 
     def exchange(
