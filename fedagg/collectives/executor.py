@@ -160,7 +160,6 @@ class _Run:
         self.readers: dict[tuple[int, int], list[Request]] = {}
         self.sends: list[tuple[Request, torch.Tensor]] = []
         self.posted: dict[int, list[tuple[Transfer, int, torch.Tensor, Request]]] = {}
-        self.next_direct: dict[int, int] = {}
         self.early_sent: set[tuple[Transfer, int]] = set()  # step-0 segments sent with the header
         self.early_recv: dict[tuple[Transfer, int], torch.Tensor] = {}  # ... and received
 
@@ -280,59 +279,32 @@ class _Run:
         return not self.convert and bool(recvs) and all(t.op is Op.COPY for t in recvs)
 
     def post_direct(self, step: int, k: int) -> None:
-        """Post segment ``k`` of a direct step, once every earlier access to it is done."""
+        """Post segment ``k`` of a direct step: the receive lands in the buffer itself."""
         for t in self.prog[step][1]:
             if k < len(self.segs[t.chunk]):
                 early = self.early_recv.pop((t, k), None) if step == 0 else None
                 if early is not None:
                     self.posted[step].append((t, k, early, _Received()))
                     continue
-                for req in self.readers.pop((t.chunk, k), ()):
-                    req.wait()
                 off, ln = self.segs[t.chunk][k]
                 view = self.work[off : off + ln]
                 self.posted[step].append((t, k, view, self.comm.irecv(view, t.src)))
 
-    def free(self, step: int, k: int) -> bool:
-        """Whether no pending send still reads a segment that segment ``k`` of ``step`` writes."""
-        return all(
-            req.done()
-            for t in self.prog[step][1]
-            if k < len(self.segs[t.chunk])
-            for req in self.readers.get((t.chunk, k), ())
-        )
-
-    def post_direct_upto(self, step: int, k: int, *, block: bool) -> None:
-        """Post the direct receives of ``step`` in segment order, up to segment ``k``.
-
-        With ``block=False`` stop at the first segment a pending send still reads; with
-        ``block=True`` wait for those sends. Receives from one peer are matched in posting
-        order, so segments are always posted in order and never twice.
-        """
-        while self.next_direct[step] <= k:
-            j = self.next_direct[step]
-            if not block and not self.free(step, j):
-                return
-            self.post_direct(step, j)
-            self.next_direct[step] = j + 1
-
     def prepare(self, step: int) -> None:
+        """Post every receive of ``step`` (called for all steps before the first data send).
+
+        Segments are posted in order: receives from one peer are matched in posting order.
+        """
         if self.is_direct(step):
-            # Post every receive whose target no pending send reads, right now: the data then
-            # lands in place as it arrives instead of waiting in the sender's socket. A copy
-            # into a chunk cannot arrive before this rank's own reductions into it are done
-            # (the final value depends on them), so only pending sends are a hazard.
             self.posted[step] = []
-            self.next_direct[step] = 0
-            self.post_direct_upto(step, self.nseg(self.prog[step][1]) - 1, block=False)
+            for k in range(self.nseg(self.prog[step][1])):
+                self.post_direct(step, k)
         else:
             self.post_recvs(step)
 
     def advance(self, step: int, k: int) -> None:
         """Segment ``k`` of every earlier step is applied: start segment ``k`` of ``step``."""
         self.issue_sends(step, k)
-        if self.is_direct(step):
-            self.post_direct_upto(step, k, block=True)
 
     def run_pipelined(self) -> None:
         """Post every receive of the call, then run the steps as a wavefront.
