@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -22,7 +23,9 @@ from fedagg.collectives.executor import (
     RIDE_BYTES,
     CollectiveStats,
     HeaderExchange,
+    Plan,
     _scratch,
+    compile_plan,
     execute,
 )
 from fedagg.collectives.schedule import SCHEDULED_ALGORITHMS, get_schedule
@@ -157,9 +160,16 @@ def _exchange_headers(comm: Communicator, header: torch.Tensor) -> list[list[int
 
 
 def _exchange_header_messages(
-    comm: Communicator, header: torch.Tensor, payloads: dict[int, torch.Tensor]
+    comm: Communicator,
+    header: torch.Tensor,
+    payloads: dict[int, torch.Tensor],
+    before_send: Callable[[], object] | None = None,
 ) -> tuple[list[list[int]], dict[int, torch.Tensor], list[tuple[Request, torch.Tensor]]]:
     """One byte message to every peer: the header, then the step-0 data that rides with it.
+
+    ``before_send`` runs after the header receives are posted and before the header sends:
+    the executor posts the call's data receives there, so that they are matched after the
+    header message from the same peer and are waiting when the peer's data arrives.
 
     Every rank posts its receives with room for the header plus
     :data:`~fedagg.collectives.executor.RIDE_BYTES`, whatever its own input, so no
@@ -173,6 +183,8 @@ def _exchange_header_messages(
     rbuf = _scratch(len(peers) * cap, torch.uint8, header.device, "header-recv")
     regions = {p: rbuf[i * cap : (i + 1) * cap] for i, p in enumerate(peers)}
     recvs = [comm.irecv(regions[p], p) for p in peers]
+    if before_send is not None:
+        before_send()
     size = {
         p: _HEADER_BYTES
         + (payloads[p].numel() * payloads[p].element_size() if p in payloads else 0)
@@ -205,13 +217,24 @@ def _header_hook(comm: Communicator, header: torch.Tensor, wire: torch.dtype) ->
     """The header round of a scheduled all-reduce, carrying step-0 data (see ``execute``)."""
 
     def exchange(
-        payloads: dict[int, torch.Tensor], expects: dict[int, int]
+        payloads: dict[int, torch.Tensor],
+        expects: dict[int, int],
+        post: Callable[[], list[tuple[int, Request]]],
     ) -> tuple[dict[int, torch.Tensor], list[tuple[Request, torch.Tensor]]]:
-        headers, regions, pending = _exchange_header_messages(comm, header, payloads)
+        posted: list[tuple[int, Request]] = []
+
+        def before_send() -> None:
+            posted.extend(post())
+
+        headers, regions, pending = _exchange_header_messages(comm, header, payloads, before_send)
         try:
             _check_headers(headers)
         except CollectiveError:
-            for req, _ in pending:  # every peer posted a receive for it: completes at once
+            pending += _drain(comm, headers)
+            for src, req in posted:  # every well-formed peer drains the receives we posted
+                if headers[src][0] == _MAGIC:
+                    req.wait()
+            for req, _ in pending:  # every peer posted a receive for these
                 req.wait()
             raise
         end = {p: _HEADER_BYTES + ln * wire.itemsize for p, ln in expects.items()}
@@ -219,6 +242,59 @@ def _header_hook(comm: Communicator, header: torch.Tensor, wire: torch.dtype) ->
         return received, pending
 
     return exchange
+
+
+def _peer_plan(header: list[int], rank: int, world_size: int) -> tuple[Plan, torch.dtype] | None:
+    """The plan (and wire dtype) a peer with this header posted receives for, if it did.
+
+    A rank posts its data receives before the header check when its own input was valid and
+    the algorithm has a schedule; its plan follows from its header alone.
+    """
+    names_a = {c: a for a, c in _ALGO_CODE.items()}
+    names_d = {c: d for d, c in DTYPES.items()}
+    magic, status, numel, dcode, acode, _, wcode, group, seg = header
+    alg, dtype = names_a.get(acode), names_d.get(dcode)
+    wires = {0: dtype, 1: torch.bfloat16, 2: torch.float16}
+    if magic != _MAGIC or status != 0 or alg not in SCHEDULED_ALGORITHMS or dtype is None:
+        return None
+    wire = wires.get(wcode)
+    if wire is None or seg < 1 or numel < 0:
+        return None
+    try:
+        schedule = get_schedule(alg, world_size, numel, group_size=group or None)
+    except ConfigError:
+        return None
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    plan = compile_plan(
+        schedule, rank, work_dtype=acc, wire_dtype=wire, segment_elems=seg, header=True
+    )
+    return plan, wire
+
+
+def _drain(comm: Communicator, headers: list[list[int]]) -> list[tuple[Request, torch.Tensor]]:
+    """After a failed header check, fill the data receives the peers posted before the check.
+
+    Every rank that passed its own validation posted its data receives before the header
+    check (see ``before_send``). When the check fails on every rank, each rank sends each such
+    peer the messages that peer's plan expects from it, zero-filled and of exactly the posted
+    lengths, so that no receive stays posted to swallow a later call's messages. Returns the
+    pending sends.
+    """
+    if not comm.pipelined:
+        return []
+    out: list[tuple[Request, torch.Tensor]] = []
+    for peer, head in enumerate(headers):
+        if peer == comm.rank:
+            continue
+        found = _peer_plan(head, peer, comm.world_size)
+        if found is None:
+            continue
+        plan, wire = found
+        for _, src, _, _, ln in plan.recvs:
+            if src == comm.rank:
+                buf = torch.zeros(ln, dtype=wire)
+                out.append((comm.isend(buf, peer), buf))
+    return out
 
 
 def _check_headers(headers: list[list[int]]) -> None:
@@ -344,6 +420,11 @@ def all_reduce(
                 model=model if model else get_default_cost_model(),
                 group_size=group_size,
             )
+        if resolved != "native":
+            try:  # before the header: a rank that cannot build it must still send its header
+                schedule = get_schedule(resolved, n, numel, group_size=group_size)
+            except ConfigError as exc:
+                error = exc
     seg_elems = (
         max(1, segment_bytes // (wire.itemsize if wire is not None else 4))
         if isinstance(segment_bytes, int)
@@ -371,15 +452,21 @@ def all_reduce(
             assert wire is not None  # narrowed above; not input validation
             hook = _header_hook(comm, header, wire)  # the header rides with step-0 data
         else:
+            pending: list[tuple[Request, torch.Tensor]] = []
             if comm.pipelined:
                 headers, _, pending = _exchange_header_messages(comm, header, {})
-                for req, _ in pending:
-                    req.wait()
             else:
                 headers = _exchange_headers(comm, header)
-            if error is not None:
-                raise error
-            _check_headers(headers)
+            try:
+                if error is not None:
+                    raise error
+                _check_headers(headers)
+            except (ConfigError, CollectiveError):
+                pending += _drain(comm, headers)
+                raise
+            finally:
+                for req, _ in pending:
+                    req.wait()
     elif error is not None:
         raise error
     st = CollectiveStats() if stats is None else stats
@@ -397,7 +484,6 @@ def all_reduce(
         acc = torch.float64 if tensor.dtype == torch.float64 else torch.float32
         flat = tensor.view(-1)
         work = flat if flat.dtype == acc else flat.to(acc)
-        schedule = get_schedule(resolved, n, numel, group_size=group_size)
         execute(
             schedule, comm, work, wire_dtype=wire, segment_elems=seg_elems, stats=st, header=hook
         )

@@ -2,11 +2,13 @@
 
 Every transfer is split into segments of about ``segment_elems`` elements. In pipelined mode
 (gloo, in-process) every receive of the call is posted before the first data send (each step
-into its own scratch region, copy steps straight into the buffer), and as soon as segment ``k`` of every step-``s`` receive has been applied, segment ``k`` of the
-step-``s + 1`` sends goes out, while the later segments of step ``s`` are still in flight: a
-ring runs as a wavefront, and a tree forwards segment ``k`` upward while segment ``k + 1``
-arrives from the children (the pipelined tree of the cost model). Reductions are in place,
-with torch ops on whole segments.
+into its own scratch region, copy steps straight into the buffer), and as soon as segment
+``k`` of every step-``s`` receive has been applied, segment ``k`` of the step-``s + 1`` sends
+goes out, while the later segments of step ``s`` are still in flight: a ring runs as a
+wavefront, and a tree forwards segment ``k`` upward while segment ``k + 1`` arrives from the
+children (the pipelined tree of the cost model). Reductions are in place, with torch ops on
+whole segments. What a rank does is worked out once per schedule, rank and options
+(:func:`compile_plan`, cached on the schedule) and replayed on every call.
 
 In grouped mode (NCCL, where an unpaired receive can block a send on the same stream) each
 step is posted as one :meth:`~fedagg.collectives.communicator.Communicator.exchange` and
@@ -35,6 +37,8 @@ __all__ = [
     "RIDE_BYTES",
     "CollectiveStats",
     "HeaderExchange",
+    "Plan",
+    "compile_plan",
     "execute",
     "segments",
 ]
@@ -122,46 +126,104 @@ def _scratch(
     return buf
 
 
-class _Received:
-    """A receive that already completed (its data came with the consistency header)."""
+SEND, APPLY = 0, 1
+"""Op codes of a :class:`Plan`."""
 
-    def wait(self) -> None:
-        return None
-
-    def done(self) -> bool:
-        return True
+DIRECT, REDUCE, COPY = 0, 1, 2
+"""What an ``APPLY`` op does: nothing (received in place), add, or overwrite."""
 
 
-class _Run:
-    """State of one schedule execution on one rank."""
+@dataclass(frozen=True)
+class Plan:
+    """One rank's part of a schedule, compiled: every message and reduction in issue order.
+
+    A plan is what :func:`execute` does on a pipelined communicator, worked out once per
+    ``(schedule, rank, wire dtype, segment size, header)`` and cached on the schedule
+    (:meth:`~fedagg.collectives.schedule.Schedule.cache`), so that a training loop that
+    all-reduces the same buckets every step pays the bookkeeping once: per call only the
+    torch.distributed calls, tensor views and reductions remain (about 150 us of Python per
+    call before, on the 2-core VM; docs/benchmarks.md).
+
+    Attributes
+    ----------
+    ride_out : tuple of (dst, offset, length)
+        Step-0 data that travels in this rank's header message to ``dst``.
+    ride_in : tuple of (slot, src, length)
+        Step-0 data that arrives in ``src``'s header message (``length`` wire elements).
+    recvs : tuple of (slot, src, direct, offset, length)
+        Receives posted right after the header, in order: into the work buffer at ``offset``
+        (``direct``, copy steps) or into the scratch buffer at ``offset``.
+    ops : tuple
+        ``(SEND, dst, offset, length, round_copy, reader)``: send ``work[offset:][:length]``
+        (in the wire dtype; ``round_copy``: also round this rank's own copy to it); a
+        ``reader >= 0`` names the request so that a later reduction into the same segment
+        waits for it. ``(APPLY, slot, offset, length, kind, readers)``: wait for receive
+        ``slot``, wait for the sends ``readers``, then reduce / copy it into the buffer.
+    slots, readers, scratch : int
+        Number of receive slots and reader ids, scratch length in wire elements.
+    sent, received, messages : int
+        Wire elements sent (header payloads included) / received, and messages sent.
+    """
+
+    ride_out: tuple[tuple[int, int, int], ...]
+    ride_in: tuple[tuple[int, int, int], ...]
+    recvs: tuple[tuple[int, int, bool, int, int], ...]
+    ops: tuple[tuple[int, int, int, int, int, tuple[int, ...]], ...]
+    slots: int
+    readers: int
+    scratch: int
+    sent: int
+    received: int
+    messages: int
+
+
+class _Planner:
+    """Works out one rank's messages and reductions for a schedule (see :class:`Plan`).
+
+    Every receive of the call is posted before the first data send (each step into its own
+    scratch region, copy steps straight into the buffer); as soon as segment ``k`` of every
+    step-``s`` receive has been applied, segment ``k`` of the step-``s + 1`` sends goes out.
+    Posting all receives first lets every message land in a buffer that is already waiting,
+    instead of queueing in the sender's socket until the receiver reaches that step: on
+    gloo, on the idle 2-core VM, this took an N = 2 ring from 0.6-0.7x to 0.9-1.0x of gloo's
+    native all-reduce at 1-16 MB (docs/benchmarks.md). A copy receive posted early cannot
+    overwrite data this rank still sends: the final value of a chunk depends on this rank's
+    contribution to it, which the peers have therefore read out of its socket before they
+    can send the final value back. Receives from one peer are matched in posting order
+    (step-major), the order sends leave in.
+    """
 
     def __init__(
-        self,
-        schedule: Schedule,
-        comm: Communicator,
-        work: torch.Tensor,
-        wire_dtype: torch.dtype,
-        segment_elems: int,
-        stats: CollectiveStats,
+        self, schedule: Schedule, rank: int, convert: bool, wire_itemsize: int, segment_elems: int
     ) -> None:
-        self.comm = comm
-        self.work = work
-        self.wire = wire_dtype
-        self.convert = wire_dtype != work.dtype
-        self.stats = stats
-        self.prog = schedule.program(comm.rank)
+        self.convert = convert
+        self.prog = schedule.program(rank)
         self.segs = [segments(off, ln, segment_elems) for off, ln in schedule.chunks]
-        self.ride_elems = RIDE_BYTES // wire_dtype.itemsize
+        self.ride_elems = RIDE_BYTES // wire_itemsize
         per_step = [sum(self.chunk_elems(t) for t in recvs) for _, recvs in self.prog]
-        # Every receive of the call is posted before the first data send (prepost_all), so
-        # each step gets its own scratch region: (N-1)/N * D wire elements for a ring.
         self.offsets = [sum(per_step[:i]) for i in range(len(per_step))]
-        self.scratch = _scratch(sum(per_step), self.wire, work.device)
-        self.readers: dict[tuple[int, int], list[Request]] = {}
-        self.sends: list[tuple[Request, torch.Tensor]] = []
-        self.posted: dict[int, list[tuple[Transfer, int, torch.Tensor, Request]]] = {}
-        self.early_sent: set[tuple[Transfer, int]] = set()  # step-0 segments sent with the header
-        self.early_recv: dict[tuple[Transfer, int], torch.Tensor] = {}  # ... and received
+        self.scratch = sum(per_step)
+        self.recvs: list[tuple[int, int, bool, int, int]] = []
+        self.ops: list[tuple[int, int, int, int, int, tuple[int, ...]]] = []
+        self.ride_out: list[tuple[int, int, int]] = []
+        self.ride_in: list[tuple[int, int, int]] = []
+        self.slots = 0
+        self.nreaders = 0
+        self.sent = self.received = self.messages = 0
+        self.readers: dict[tuple[int, int], list[int]] = {}
+        self.posted: dict[int, list[tuple[Transfer, int, int, bool]]] = {}
+        self.early_sent: set[tuple[Transfer, int]] = set()  # step-0 segments in the header
+        self.early_recv: dict[tuple[Transfer, int], int] = {}  # ... and their receive slots
+
+    def chunk_elems(self, t: Transfer) -> int:
+        return sum(ln for _, ln in self.segs[t.chunk])
+
+    def nseg(self, transfers: list[Transfer]) -> int:
+        return max((len(self.segs[t.chunk]) for t in transfers), default=0)
+
+    def slot(self) -> int:
+        self.slots += 1
+        return self.slots - 1
 
     def rides(self, transfers: list[Transfer], peer: int, outgoing: bool) -> Transfer | None:
         """The step-0 transfer whose segment 0 travels in the header message to/from ``peer``.
@@ -178,208 +240,271 @@ class _Run:
                 return t if self.segs[t.chunk][0][1] <= self.ride_elems else None
         return None
 
-    def header_payloads(self) -> dict[int, torch.Tensor]:
-        """Per peer, the step-0 data that rides with this rank's header (counted as sent)."""
-        out: dict[int, torch.Tensor] = {}
-        if not self.prog:
-            return out
-        for dst in {t.dst for t in self.prog[0][0]}:
-            t = self.rides(self.prog[0][0], dst, outgoing=True)
-            if t is not None:
-                out[dst] = self.payload(t, 0)
-                self.count_send(out[dst])
-                self.early_sent.add((t, 0))
-        return out
-
-    def header_expects(self) -> dict[int, int]:
-        """Per peer, how many wire elements ride with its header to this rank."""
-        out: dict[int, int] = {}
-        if not self.prog:
-            return out
-        for src in {t.src for t in self.prog[0][1]}:
-            t = self.rides(self.prog[0][1], src, outgoing=False)
-            if t is not None:
-                out[src] = self.segs[t.chunk][0][1]
-        return out
-
-    def accept_header_payloads(self, received: dict[int, torch.Tensor]) -> None:
-        """Hand over the step-0 data that came with the peers' headers (wire dtype views)."""
+    def plan_header(self) -> None:
+        """Step-0 data that rides in the header messages, both ways."""
         if not self.prog:
             return
-        for src, data in received.items():
-            t = self.rides(self.prog[0][1], src, outgoing=False)
+        sends, recvs = self.prog[0]
+        for dst in sorted({t.dst for t in sends}):
+            t = self.rides(sends, dst, outgoing=True)
             if t is not None:
-                self.early_recv[(t, 0)] = data
-
-    def chunk_elems(self, t: Transfer) -> int:
-        return sum(ln for _, ln in self.segs[t.chunk])
-
-    def nseg(self, transfers: list[Transfer]) -> int:
-        return max((len(self.segs[t.chunk]) for t in transfers), default=0)
-
-    def payload(self, t: Transfer, k: int) -> torch.Tensor:
-        off, ln = self.segs[t.chunk][k]
-        view = self.work[off : off + ln]
-        if not self.convert:
-            return view
-        out = view.to(self.wire)
-        if t.op is Op.COPY:  # round our own copy too, so all ranks end bit-identical
-            view.copy_(out)
-        return out
-
-    def count_send(self, payload: torch.Tensor) -> None:
-        self.stats.bytes_sent += payload.numel() * payload.element_size()
-        self.stats.messages_sent += 1
+                off, ln = self.segs[t.chunk][0]
+                self.ride_out.append((dst, off, ln))
+                self.sent += ln
+                self.messages += 1
+                self.early_sent.add((t, 0))
+        for src in sorted({t.src for t in recvs}):
+            t = self.rides(recvs, src, outgoing=False)
+            if t is not None:
+                slot = self.slot()
+                self.ride_in.append((slot, src, self.segs[t.chunk][0][1]))
+                self.early_recv[(t, 0)] = slot
 
     def issue_sends(self, step: int, k: int) -> None:
         for t in self.prog[step][0]:
             if k < len(self.segs[t.chunk]):
                 if step == 0 and (t, k) in self.early_sent:
                     continue
-                data = self.payload(t, k)
-                req = self.comm.isend(data, t.dst)
-                self.count_send(data)
-                self.sends.append((req, data))
-                if not self.convert:
-                    self.readers.setdefault((t.chunk, k), []).append(req)
+                off, ln = self.segs[t.chunk][k]
+                reader = -1
+                if not self.convert:  # the send reads the buffer itself, not a converted copy
+                    reader = self.nreaders
+                    self.nreaders += 1
+                    self.readers.setdefault((t.chunk, k), []).append(reader)
+                round_copy = int(self.convert and t.op is Op.COPY)
+                self.ops.append((SEND, t.dst, off, ln, round_copy, (reader,)))
+                self.sent += ln
+                self.messages += 1
 
-    def post_recvs(self, step: int) -> None:
+    def post(self, step: int, t: Transfer, k: int, direct: bool, scratch_at: int) -> int:
+        """Post segment ``k`` of ``t`` (or take it from the header); return its length."""
+        ln = self.segs[t.chunk][k][1]
+        early = self.early_recv.pop((t, k), None) if step == 0 else None
+        if early is not None:
+            self.posted[step].append((t, k, early, False))
+            return 0
+        slot = self.slot()
+        off = self.segs[t.chunk][k][0] if direct else scratch_at
+        self.recvs.append((slot, t.src, direct, off, ln))
+        self.posted[step].append((t, k, slot, direct))
+        return 0 if direct else ln
+
+    def prepare(self, step: int) -> None:
+        """Post every receive of ``step`` (all steps before the first data send), in order."""
         recvs = self.prog[step][1]
-        items: list[tuple[Transfer, int, torch.Tensor, Request]] = []
+        direct = not self.convert and bool(recvs) and all(t.op is Op.COPY for t in recvs)
+        self.posted[step] = []
         pos = self.offsets[step]
         for k in range(self.nseg(recvs)):
             for t in recvs:
                 if k < len(self.segs[t.chunk]):
-                    ln = self.segs[t.chunk][k][1]
-                    early = self.early_recv.pop((t, k), None) if step == 0 else None
-                    if early is not None:
-                        items.append((t, k, early, _Received()))
-                        continue
-                    tmp = self.scratch[pos : pos + ln]
-                    pos += ln
-                    items.append((t, k, tmp, self.comm.irecv(tmp, t.src)))
-        self.posted[step] = items
+                    pos += self.post(step, t, k, direct, pos)
 
-    def apply(self, t: Transfer, k: int, tmp: torch.Tensor) -> None:
+    def apply(self, t: Transfer, k: int, slot: int, direct: bool) -> None:
         off, ln = self.segs[t.chunk][k]
-        view = self.work[off : off + ln]
-        self.stats.bytes_received += tmp.numel() * tmp.element_size()
-        if tmp.data_ptr() == view.data_ptr():
-            return  # received in place (direct copy step)
-        for req in self.readers.pop((t.chunk, k), ()):
-            req.wait()  # a pending send still reads this segment
-        if t.op is Op.REDUCE:
-            view.add_(tmp)
-        else:
-            view.copy_(tmp)
-
-    def is_direct(self, step: int) -> bool:
-        """Copy-only steps receive straight into the buffer (no scratch, no extra memcpy)."""
-        recvs = self.prog[step][1]
-        return not self.convert and bool(recvs) and all(t.op is Op.COPY for t in recvs)
-
-    def post_direct(self, step: int, k: int) -> None:
-        """Post segment ``k`` of a direct step: the receive lands in the buffer itself."""
-        for t in self.prog[step][1]:
-            if k < len(self.segs[t.chunk]):
-                early = self.early_recv.pop((t, k), None) if step == 0 else None
-                if early is not None:
-                    self.posted[step].append((t, k, early, _Received()))
-                    continue
-                off, ln = self.segs[t.chunk][k]
-                view = self.work[off : off + ln]
-                self.posted[step].append((t, k, view, self.comm.irecv(view, t.src)))
-
-    def prepare(self, step: int) -> None:
-        """Post every receive of ``step`` (called for all steps before the first data send).
-
-        Segments are posted in order: receives from one peer are matched in posting order.
-        """
-        if self.is_direct(step):
-            self.posted[step] = []
-            for k in range(self.nseg(self.prog[step][1])):
-                self.post_direct(step, k)
-        else:
-            self.post_recvs(step)
-
-    def advance(self, step: int, k: int) -> None:
-        """Segment ``k`` of every earlier step is applied: start segment ``k`` of ``step``."""
-        self.issue_sends(step, k)
-
-    def run_pipelined(self) -> None:
-        """Post every receive of the call, then run the steps as a wavefront.
-
-        Posting all receives (each step into its own scratch region, copy steps straight
-        into the buffer) before the first data send lets every message land in a buffer that
-        is already waiting, instead of queueing in the sender's socket until the receiver
-        reaches that step: on gloo, on the idle 2-core VM, this took an N = 2 ring from
-        0.6-0.7x to 0.9-1.0x of gloo's native all-reduce at 1-16 MB (docs/benchmarks.md).
-        A copy receive posted early cannot overwrite data this rank still sends: the final
-        value of a chunk depends on this rank's contribution to it, which the peers have
-        therefore read out of its socket before they can send the final value back. Receives
-        from one peer are matched in posting order (step-major), the order sends leave in.
-        """
-        n = len(self.prog)
-        if n == 0:
+        self.received += ln
+        if direct:
+            self.ops.append((APPLY, slot, off, ln, DIRECT, ()))
             return
+        waits = tuple(self.readers.pop((t.chunk, k), ()))
+        kind = REDUCE if t.op is Op.REDUCE else COPY
+        self.ops.append((APPLY, slot, off, ln, kind, waits))
+
+    def build(self, header: bool) -> Plan:
+        if header:
+            self.plan_header()
+        n = len(self.prog)
         for s in range(n):
             self.prepare(s)
-        for k in range(max(self.nseg(self.prog[0][0]), self.nseg(self.prog[0][1]))):
-            self.advance(0, k)
+        if n:
+            for k in range(max(self.nseg(self.prog[0][0]), self.nseg(self.prog[0][1]))):
+                self.issue_sends(0, k)
         for s in range(n):
             items = self.posted.pop(s)
             nk = self.nseg(self.prog[s][1])
             i = 0
             for k in range(nk):
                 while i < len(items) and items[i][1] == k:
-                    t, _, tmp, req = items[i]
-                    req.wait()
-                    self.apply(t, k, tmp)
+                    t, _, slot, direct = items[i]
+                    self.apply(t, k, slot, direct)
                     i += 1
                 if s + 1 < n:
-                    self.advance(s + 1, k)
+                    self.issue_sends(s + 1, k)
             if s + 1 < n:
                 nxt = self.prog[s + 1]
                 for k in range(nk, max(self.nseg(nxt[0]), self.nseg(nxt[1]))):
-                    self.advance(s + 1, k)
-        for req, _ in self.sends:
-            req.wait()
+                    self.issue_sends(s + 1, k)
+        return Plan(
+            tuple(self.ride_out),
+            tuple(self.ride_in),
+            tuple(self.recvs),
+            tuple(self.ops),
+            self.slots,
+            self.nreaders,
+            self.scratch,
+            self.sent,
+            self.received,
+            self.messages,
+        )
 
-    def run_grouped(self) -> None:
-        for sends, recvs in self.prog:
-            out: list[tuple[torch.Tensor, int]] = []
-            for k in range(self.nseg(sends)):
-                for t in sends:
-                    if k < len(self.segs[t.chunk]):
-                        data = self.payload(t, k)
-                        self.count_send(data)
-                        out.append((data, t.dst))
-            inc: list[tuple[Transfer, int, torch.Tensor]] = []
-            pos = 0
-            for k in range(self.nseg(recvs)):
-                for t in recvs:
-                    if k < len(self.segs[t.chunk]):
-                        ln = self.segs[t.chunk][k][1]
-                        inc.append((t, k, self.scratch[pos : pos + ln]))
-                        pos += ln
-            reqs = self.comm.exchange(out, [(tmp, t.src) for t, _, tmp in inc])
-            for req in reqs:
-                req.wait()
-            for t, k, tmp in inc:
-                self.apply(t, k, tmp)
+
+def compile_plan(
+    schedule: Schedule,
+    rank: int,
+    *,
+    work_dtype: torch.dtype,
+    wire_dtype: torch.dtype,
+    segment_elems: int,
+    header: bool,
+) -> Plan:
+    """The :class:`Plan` of ``rank`` (cached on ``schedule``)."""
+    key = ("plan", rank, work_dtype, wire_dtype, segment_elems, header)
+    cache = schedule.cache
+    plan = cache.get(key)
+    if plan is None:
+        planner = _Planner(
+            schedule, rank, wire_dtype != work_dtype, wire_dtype.itemsize, segment_elems
+        )
+        plan = planner.build(header)
+        cache[key] = plan
+    assert isinstance(plan, Plan)  # the cache only holds plans under this key
+    return plan
+
+
+def _wire(view: torch.Tensor, wire: torch.dtype, round_copy: bool) -> torch.Tensor:
+    """``view`` as it goes on the wire (rounded in place too for a low-precision copy)."""
+    if view.dtype == wire:
+        return view
+    out = view.to(wire)
+    if round_copy:  # round our own copy too, so all ranks end bit-identical
+        view.copy_(out)
+    return out
+
+
+def _replay(
+    plan: Plan,
+    comm: Communicator,
+    work: torch.Tensor,
+    wire: torch.dtype,
+    header: HeaderExchange | None,
+) -> None:
+    """Run a pipelined plan: post its receives, then its sends and reductions in order."""
+    got: list[torch.Tensor | None] = [None] * plan.slots
+    reqs: list[Request | None] = [None] * plan.slots
+    readers: list[Request | None] = [None] * plan.readers
+    sends: list[tuple[Request, torch.Tensor]] = []
+    scratch = _scratch(plan.scratch, wire, work.device)
+
+    def post() -> list[tuple[int, Request]]:
+        posted: list[tuple[int, Request]] = []
+        for slot, src, direct, off, ln in plan.recvs:
+            buf = (work if direct else scratch)[off : off + ln]
+            got[slot] = buf
+            req = reqs[slot] = comm.irecv(buf, src)
+            posted.append((src, req))
+        return posted
+
+    if header is not None:
+        payloads = {dst: _wire(work[off : off + ln], wire, False) for dst, off, ln in plan.ride_out}
+        received, pending = header(payloads, {src: ln for _, src, ln in plan.ride_in}, post)
+        sends.extend(pending)
+        for slot, src, _ in plan.ride_in:
+            got[slot] = received[src]
+    else:
+        post()
+    for code, a, off, ln, b, c in plan.ops:
+        if code == SEND:
+            data = _wire(work[off : off + ln], wire, bool(b))
+            req = comm.isend(data, a)
+            sends.append((req, data))
+            if c[0] >= 0:
+                readers[c[0]] = req
+            continue
+        pending_recv = reqs[a]
+        if pending_recv is not None:
+            pending_recv.wait()
+        if b == DIRECT:
+            continue
+        for r in c:
+            reader = readers[r]
+            if reader is not None:
+                reader.wait()  # a pending send still reads this segment
+        src_buf = got[a]
+        assert src_buf is not None  # every slot is filled before its APPLY; not input
+        view = work[off : off + ln]
+        if b == REDUCE:
+            view.add_(src_buf)
+        else:
+            view.copy_(src_buf)
+    for req, _ in sends:
+        req.wait()
+
+
+def _run_grouped(
+    schedule: Schedule,
+    comm: Communicator,
+    work: torch.Tensor,
+    wire: torch.dtype,
+    segment_elems: int,
+    stats: CollectiveStats,
+) -> None:
+    """Each step as one grouped exchange, waited on before the next (NCCL)."""
+    segs = [segments(off, ln, segment_elems) for off, ln in schedule.chunks]
+    prog = schedule.program(comm.rank)
+
+    def nseg(transfers: list[Transfer]) -> int:
+        return max((len(segs[t.chunk]) for t in transfers), default=0)
+
+    scratch = _scratch(
+        max((sum(ln for t in r for _, ln in segs[t.chunk]) for _, r in prog), default=0),
+        wire,
+        work.device,
+    )
+    for sends, recvs in prog:
+        out: list[tuple[torch.Tensor, int]] = []
+        for k in range(nseg(sends)):
+            for t in sends:
+                if k < len(segs[t.chunk]):
+                    off, ln = segs[t.chunk][k]
+                    data = _wire(work[off : off + ln], wire, t.op is Op.COPY)
+                    stats.bytes_sent += data.numel() * data.element_size()
+                    stats.messages_sent += 1
+                    out.append((data, t.dst))
+        inc: list[tuple[Transfer, int, torch.Tensor]] = []
+        pos = 0
+        for k in range(nseg(recvs)):
+            for t in recvs:
+                if k < len(segs[t.chunk]):
+                    ln = segs[t.chunk][k][1]
+                    inc.append((t, k, scratch[pos : pos + ln]))
+                    pos += ln
+        for req in comm.exchange(out, [(tmp, t.src) for t, _, tmp in inc]):
+            req.wait()
+        for t, k, tmp in inc:
+            off, ln = segs[t.chunk][k]
+            stats.bytes_received += tmp.numel() * tmp.element_size()
+            view = work[off : off + ln]
+            if t.op is Op.REDUCE:
+                view.add_(tmp)
+            else:
+                view.copy_(tmp)
 
 
 HeaderExchange = Callable[
-    [dict[int, torch.Tensor], dict[int, int]],
+    [dict[int, torch.Tensor], dict[int, int], Callable[[], list[tuple[int, Request]]]],
     tuple[dict[int, torch.Tensor], list[tuple[Request, torch.Tensor]]],
 ]
-"""``(payloads, expects) -> (received, pending_sends)``: the consistency-header round.
+"""``(payloads, expects, post) -> (received, pending_sends)``: the consistency-header round.
 
 ``payloads`` maps a peer to the step-0 data (wire dtype) that should ride in this rank's header
 message to it; ``expects`` maps a peer to the number of wire elements its header message
-carries for this rank. The callable exchanges the headers, raises if they disagree, and returns
-the received data per peer (``expects[peer]`` elements each) and its pending sends (request and
-the buffer it reads), which the executor waits on before returning.
+carries for this rank. ``post`` posts the call's data receives and returns them as
+``(src, request)``; the callable runs it after posting the header receives and before sending
+the headers, so that data sent right after a peer's check finds its receive waiting. The
+callable exchanges the headers, raises if they disagree (after the peers have filled the
+posted receives, see :func:`fedagg.collectives.api.all_reduce`), and returns the received
+data per peer (``expects[peer]`` elements each) and its pending sends (request and the buffer
+it reads), which the executor waits on before returning.
 """
 
 
@@ -423,21 +548,26 @@ def execute(
         The counters (bytes and messages sent / received, steps).
     """
     stats = CollectiveStats() if stats is None else stats
-    run = _Run(
-        schedule, comm, work, work.dtype if wire_dtype is None else wire_dtype, segment_elems, stats
-    )
-    if header is not None:
-        if comm.pipelined:
-            received, pending = header(run.header_payloads(), run.header_expects())
-            run.accept_header_payloads(received)
-        else:
-            _, pending = header({}, {})
-        run.sends.extend(pending)
+    wire = work.dtype if wire_dtype is None else wire_dtype
     if comm.pipelined:
-        run.run_pipelined()
+        plan = compile_plan(
+            schedule,
+            comm.rank,
+            work_dtype=work.dtype,
+            wire_dtype=wire,
+            segment_elems=segment_elems,
+            header=header is not None,
+        )
+        _replay(plan, comm, work, wire, header)
+        stats.bytes_sent += plan.sent * wire.itemsize
+        stats.bytes_received += plan.received * wire.itemsize
+        stats.messages_sent += plan.messages
     else:
-        run.run_grouped()
-        for req, _ in run.sends:
+        pending: list[tuple[Request, torch.Tensor]] = []
+        if header is not None:
+            _, pending = header({}, {}, list)
+        _run_grouped(schedule, comm, work, wire, segment_elems, stats)
+        for req, _ in pending:
             req.wait()
     stats.steps += schedule.num_steps
     return stats

@@ -36,6 +36,7 @@ segments; it is not spelled out in the schedule.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -83,6 +84,10 @@ class Schedule:
         Steps in order. Within a step no rank both sends and receives the same chunk.
     meta : dict
         Algorithm parameters (``group_size``, tree parents, ...), for documentation only.
+    cache : dict
+        Derived data kept with the schedule (the executor's compiled per-rank plans); not
+        part of its value. :func:`get_schedule` returns the same object for the same
+        arguments, so a training loop's repeated calls find their plans here.
     """
 
     algorithm: str
@@ -91,6 +96,7 @@ class Schedule:
     chunks: tuple[tuple[int, int], ...]
     steps: tuple[tuple[Transfer, ...], ...]
     meta: dict[str, object] = field(default_factory=dict, compare=False)
+    cache: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self._validate()
@@ -340,10 +346,15 @@ def hierarchical_schedule(world_size: int, numel: int, group_size: int | None = 
     )
 
 
+@functools.lru_cache(maxsize=256)
 def get_schedule(
     algorithm: str, world_size: int, numel: int, *, group_size: int | None = None
 ) -> Schedule:
     """The schedule of ``algorithm`` (``"ring"``, ``"tree"`` or ``"hierarchical"``).
+
+    Memoized (256 most recent argument tuples): schedules are immutable, and a training loop
+    all-reduces the same few bucket sizes every step; the executor's per-rank plans are
+    cached on the returned object (:attr:`Schedule.cache`).
 
     Raises
     ------

@@ -9,7 +9,7 @@ import torch
 
 from fedagg.collectives import TorchDistCommunicator, all_reduce, get_schedule, last_stats
 from fedagg.collectives.backends.torch_dist import run_processes
-from fedagg.errors import CollectiveError, CollectiveTimeout
+from fedagg.errors import CollectiveError, CollectiveTimeout, ConfigError
 
 pytestmark = pytest.mark.gloo
 
@@ -84,6 +84,57 @@ def _errors(comm: TorchDistCommunicator) -> list[str]:
         except CollectiveTimeout as exc:
             out.append(f"{type(exc).__name__}: {exc}")
     return out
+
+
+def _mismatch_cases(comm: TorchDistCommunicator) -> list[str]:
+    """Mismatches whose ranks posted many data receives before the check, then good calls.
+
+    Valid ranks post their data receives before the header check; after a failed check every
+    rank fills the receives its peers posted. If one were left posted it would swallow the
+    next call's messages (wrong sums, a size error or a hang): each case is followed by a
+    checked call.
+    """
+    torch.set_num_threads(1)
+    r, n = comm.rank, comm.world_size
+    big = 300_001
+    cases: list[tuple[str, dict[str, object], torch.Tensor]] = [
+        ("numel", {"algorithm": "ring"}, torch.ones(big + 1000 * r)),
+        ("numel", {"algorithm": "tree"}, torch.ones(big if r else 7)),
+        ("algorithm", {"algorithm": "ring" if r else "tree"}, torch.ones(big)),
+        ("algorithm", {"algorithm": "native" if r == n - 1 else "ring"}, torch.ones(big)),
+        ("wire_dtype", {"algorithm": "ring", "wire_dtype": "bf16" if r else None}, torch.ones(big)),
+        ("segment_elems", {"algorithm": "ring", "segment_bytes": 4096 << r}, torch.ones(big)),
+        (
+            "dtype",
+            {"algorithm": "hierarchical"},
+            torch.ones(big, dtype=torch.float64 if r else torch.float32),
+        ),
+        (
+            "input",
+            {"algorithm": "ring"},
+            torch.ones(big, 2)[:, 0] if r == n - 1 else torch.ones(big),
+        ),
+    ]
+    out: list[str] = []
+    for i, (field, kwargs, x) in enumerate(cases):
+        try:
+            all_reduce(x, comm=comm, segment_bytes=kwargs.pop("segment_bytes", 8192), **kwargs)  # type: ignore[arg-type]
+            out.append(f"case {i}: no error")
+        except (CollectiveError, ConfigError) as exc:
+            if field not in str(exc) and not isinstance(exc, ConfigError):
+                out.append(f"case {i}: {type(exc).__name__}: {exc}")
+        y = torch.full((big,), float(r + i))
+        all_reduce(y, algorithm="ring", comm=comm, segment_bytes=8192)
+        want = float(sum(range(n)) + n * i)
+        if not torch.equal(y, torch.full((big,), want)):
+            out.append(f"after case {i}: wrong sum {y[:3].tolist()} (want {want})")
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_gloo_group_is_clean_after_mismatches(n: int) -> None:
+    results = run_processes(n, _mismatch_cases, timeout=180, comm_timeout=30)
+    assert results == [[]] * n, results
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
