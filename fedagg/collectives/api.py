@@ -164,18 +164,21 @@ def _exchange_header_messages(
     header: torch.Tensor,
     payloads: dict[int, torch.Tensor],
     before_send: Callable[[], object] | None = None,
-) -> tuple[list[list[int]], dict[int, torch.Tensor], list[tuple[Request, torch.Tensor]]]:
+) -> tuple[dict[int, torch.Tensor], list[tuple[Request, torch.Tensor]]]:
     """One byte message to every peer: the header, then the step-0 data that rides with it.
 
-    ``before_send`` runs after the header receives are posted and before the header sends:
-    the executor posts the call's data receives there, so that they are matched after the
-    header message from the same peer and are waiting when the peer's data arrives.
+    Order: post the header receives, run ``before_send``, send the headers, wait for the
+    peers' headers. The executor posts the call's data receives in ``before_send``: they are
+    matched after the header message from the same peer (receives from one peer match in
+    posting order) and are in place when the peer's data arrives after its check. (Sending
+    the headers first and posting the data receives after them was measured too: no better at
+    1 MB, 0.06 worse at N = 2, 16 MB in two interleaved A/B runs.)
 
     Every rank posts its receives with room for the header plus
     :data:`~fedagg.collectives.executor.RIDE_BYTES`, whatever its own input, so no
     message can be longer than its receive (gloo aborts the process on that); messages may be
-    shorter. Returns every rank's header, the received messages per peer, and the pending
-    sends (request, buffer).
+    shorter. Returns the received messages per peer (header first, see :func:`_decode`) and
+    the pending sends (request, buffer).
     """
     n, rank = comm.world_size, comm.rank
     peers = [r for r in range(n) if r != rank]
@@ -203,14 +206,30 @@ def _exchange_header_messages(
         sends.append((comm.isend(msg, p), msg))
     for req in recvs:
         req.wait()
+    return regions, sends
+
+
+def _agree(header: torch.Tensor, regions: dict[int, torch.Tensor]) -> bool:
+    """Whether every peer's header equals this rank's, byte for byte (the check's fast path).
+
+    With this rank's status 0 that is exactly what :func:`_check_headers` accepts (it wants
+    every field equal across ranks and every status 0), without decoding anything.
+    """
+    head = header.view(torch.uint8)
+    return all(torch.equal(r[:_HEADER_BYTES], head) for r in regions.values())
+
+
+def _decode(
+    comm: Communicator, header: torch.Tensor, regions: dict[int, torch.Tensor]
+) -> list[list[int]]:
+    """Every rank's header as ints (this rank's own from ``header``)."""
     mine = [int(v) for v in header.tolist()]
-    headers = [
+    return [
         mine
-        if r == rank
+        if r == comm.rank
         else [int(v) for v in regions[r][:_HEADER_BYTES].view(torch.int64).tolist()]
-        for r in range(n)
+        for r in range(comm.world_size)
     ]
-    return headers, regions, sends
 
 
 def _header_hook(comm: Communicator, header: torch.Tensor, wire: torch.dtype) -> HeaderExchange:
@@ -226,17 +245,19 @@ def _header_hook(comm: Communicator, header: torch.Tensor, wire: torch.dtype) ->
         def before_send() -> None:
             posted.extend(post())
 
-        headers, regions, pending = _exchange_header_messages(comm, header, payloads, before_send)
-        try:
-            _check_headers(headers)
-        except CollectiveError:
-            pending += _drain(comm, headers)
-            for src, req in posted:  # every well-formed peer drains the receives we posted
-                if headers[src][0] == _MAGIC:
+        regions, pending = _exchange_header_messages(comm, header, payloads, before_send)
+        if not _agree(header, regions):
+            headers = _decode(comm, header, regions)
+            try:
+                _check_headers(headers)
+            except CollectiveError:
+                pending += _drain(comm, headers)
+                for src, req in posted:  # every well-formed peer drains the receives we posted
+                    if headers[src][0] == _MAGIC:
+                        req.wait()
+                for req, _ in pending:  # every peer posted a receive for these
                     req.wait()
-            for req, _ in pending:  # every peer posted a receive for these
-                req.wait()
-            raise
+                raise
         end = {p: _HEADER_BYTES + ln * wire.itemsize for p, ln in expects.items()}
         received = {p: regions[p][_HEADER_BYTES : end[p]].view(wire) for p in expects}
         return received, pending
@@ -454,7 +475,8 @@ def all_reduce(
         else:
             pending: list[tuple[Request, torch.Tensor]] = []
             if comm.pipelined:
-                headers, _, pending = _exchange_header_messages(comm, header, {})
+                regions, pending = _exchange_header_messages(comm, header, {})
+                headers = _decode(comm, header, regions)
             else:
                 headers = _exchange_headers(comm, header)
             try:

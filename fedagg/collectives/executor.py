@@ -500,7 +500,7 @@ HeaderExchange = Callable[
 message to it; ``expects`` maps a peer to the number of wire elements its header message
 carries for this rank. ``post`` posts the call's data receives and returns them as
 ``(src, request)``; the callable runs it after posting the header receives and before sending
-the headers, so that data sent right after a peer's check finds its receive waiting. The
+the headers, so that data a peer sends right after its check finds its receive waiting. The
 callable exchanges the headers, raises if they disagree (after the peers have filled the
 posted receives, see :func:`fedagg.collectives.api.all_reduce`), and returns the received
 data per peer (``expects[peer]`` elements each) and its pending sends (request and the buffer
