@@ -9,6 +9,12 @@ bus bandwidth ``busbw = algbw * 2 (N-1) / N`` (as nccl-tests), the ratio of busb
 to back), the model's prediction (calibrated with every rank active), and the 1-minute load
 average before and after each world size.
 
+``ring:nocheck`` (in the default list) is the ring with ``check=False``: no consistency
+header, what a caller that verified its inputs once runs afterwards. ``--launches K`` starts
+``K`` fresh process groups per world size and pools their repeats: on a 2-core host the same
+command gives launch-to-launch differences larger than most effects (which core each
+process's threads settle on), so the table also lists each launch's paired ratio.
+
 Run as ``python benchmarks/allreduce.py`` or ``fedagg bench allreduce``::
 
     fedagg bench allreduce --world-sizes 2,4 --sizes 4KB,1MB,16MB --repeats 10 --markdown
@@ -81,6 +87,7 @@ def _worker(comm: Communicator, cfg: dict[str, Any]) -> dict[str, Any]:
         "segment_bytes": model.segment_bytes,
         "rows": [],
     }
+    specs = [(a, a.split(":")[0], not a.endswith(":nocheck")) for a in algs]
     for nbytes in cfg["sizes"]:
         numel = max(1, nbytes // 4)
         gen = torch.Generator().manual_seed(comm.rank)
@@ -89,36 +96,56 @@ def _worker(comm: Communicator, cfg: dict[str, Any]) -> dict[str, Any]:
         reps = _repeats_for(nbytes, int(cfg["repeats"]))
         times = torch.zeros(len(algs), reps + 1, dtype=torch.float64)
         for rep in range(reps + 1):  # repeat 0 is warm-up
-            order = [algs[(i + rep) % len(algs)] for i in range(len(algs))]
-            for alg in order:
+            for i in range(len(specs)):
+                j = (i + rep) % len(specs)
+                _, base, check = specs[j]
                 buf.copy_(src)
                 comm.barrier()
                 t0 = time.perf_counter()
-                if alg == "native":
+                if base == "native":
                     comm.native_all_reduce(buf, "sum")
                 else:
-                    all_reduce(buf, algorithm=alg, comm=comm, segment_bytes=cfg["segment_bytes"])
+                    all_reduce(
+                        buf,
+                        algorithm=base,
+                        comm=comm,
+                        segment_bytes=cfg["segment_bytes"],
+                        check=check,
+                    )
                 if device is not None:
                     torch.cuda.synchronize()
-                times[algs.index(alg), rep] = time.perf_counter() - t0
+                times[j, rep] = time.perf_counter() - t0
         all_reduce_max(times)
         if comm.rank == 0:
-            native = times[algs.index("native"), 1:] if "native" in algs else None
             for i, alg in enumerate(algs):
-                paired = (
-                    statistics.median((native / times[i, 1:]).tolist())
-                    if native is not None
-                    else float("nan")
-                )
-                out["rows"].append(
-                    {
-                        "alg": alg,
-                        "bytes": nbytes,
-                        "median": statistics.median(times[i, 1:].tolist()),
-                        "paired": paired,
-                        "repeats": reps,
-                    }
-                )
+                out["rows"].append({"alg": alg, "bytes": nbytes, "times": times[i, 1:].tolist()})
+    return out
+
+
+def _merge(launches: list[dict[str, Any]]) -> dict[str, Any]:
+    """Pool the repeats of several launches; keep each launch's paired ratio to native."""
+    merged: dict[tuple[str, int], dict[str, Any]] = {}
+    for launch in launches:
+        native = {r["bytes"]: r["times"] for r in launch["rows"] if r["alg"] == "native"}
+        for r in launch["rows"]:
+            row = merged.setdefault(
+                (r["alg"], r["bytes"]),
+                {"alg": r["alg"], "bytes": r["bytes"], "times": [], "ratios": [], "launch": []},
+            )
+            row["times"] += r["times"]
+            if r["bytes"] in native:
+                ratios = [a / b for a, b in zip(native[r["bytes"]], r["times"], strict=True)]
+                row["ratios"] += ratios
+                row["launch"].append(statistics.median(ratios))
+    rows = []
+    for row in merged.values():
+        nan = float("nan")
+        row["median"] = statistics.median(row["times"])
+        row["paired"] = statistics.median(row["ratios"]) if row["ratios"] else nan
+        row["repeats"] = len(row["times"])
+        rows.append(row)
+    out = dict(launches[0])
+    out["rows"] = rows
     return out
 
 
@@ -137,6 +164,7 @@ def _table(n: int, result: dict[str, Any], markdown: bool) -> list[str]:
         "busbw GB/s",
         "x native",
         "paired x",
+        "paired x per launch",
         "model ms",
         "pp model ms",
     ]
@@ -150,9 +178,16 @@ def _table(n: int, result: dict[str, Any], markdown: bool) -> list[str]:
         busbw = algbw * 2 * (n - 1) / n
         ratio = native[b] / t if b in native else float("nan")
         pred, pp = "-", "-"
-        if r["alg"] != "native":
-            pred = f"{predict(r['alg'], n, b, model=model) * 1e3:.2f}"
-            pp = f"{predict(r['alg'], n, b, model=pingpong) * 1e3:.2f}"
+        base = r["alg"].split(":")[0]
+        if base != "native":
+            pred = f"{predict(base, n, b, model=model) * 1e3:.2f}"
+            pp = f"{predict(base, n, b, model=pingpong) * 1e3:.2f}"
+        per_launch = r.get("launch", [])
+        spread = (
+            f"{min(per_launch):.2f}-{max(per_launch):.2f}"
+            if len(per_launch) > 1
+            else (f"{per_launch[0]:.2f}" if per_launch else "-")
+        )
         cells = [
             str(n),
             _fmt_size(b),
@@ -162,6 +197,7 @@ def _table(n: int, result: dict[str, Any], markdown: bool) -> list[str]:
             f"{busbw:.3f}",
             f"{ratio:.2f}",
             f"{r.get('paired', float('nan')):.2f}",
+            spread,
             pred,
             pp,
         ]
@@ -189,7 +225,7 @@ def _order_check(n: int, result: dict[str, Any], model: CostModel, label: str) -
     """Pairwise: where the model separates two algorithms by > 10 %, is the measured order the same?"""
     by_size: dict[int, dict[str, float]] = {}
     for r in result["rows"]:
-        if r["alg"] != "native":
+        if r["alg"] != "native" and ":" not in r["alg"]:
             by_size.setdefault(r["bytes"], {})[r["alg"]] = r["median"]
     lines = []
     agree = total = points = points_ok = 0
@@ -241,7 +277,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world-sizes", default="2,4", help="comma-separated N (default 2,4)")
     p.add_argument("--sizes", default="4KB,64KB,1MB,16MB,64MB", help="comma-separated sizes")
     p.add_argument("--repeats", type=int, default=10, help="repeats per point (fewer >= 16MB)")
-    p.add_argument("--algorithms", default="ring,tree,hierarchical,native")
+    p.add_argument(
+        "--algorithms",
+        default="ring,ring:nocheck,tree,hierarchical,native",
+        help="comma-separated; ':nocheck' runs that algorithm with check=False",
+    )
+    p.add_argument(
+        "--launches",
+        type=int,
+        default=1,
+        help="fresh process groups per world size; repeats are pooled (default 1)",
+    )
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     p.add_argument("--markdown", action="store_true", help="print a markdown table")
     p.add_argument("--segment-bytes", type=parse_size, default=4 << 20)
@@ -253,6 +299,16 @@ def main(argv: list[str] | None = None) -> int:
 
     sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    known = ("ring", "tree", "hierarchical", "native")
+    for a in algorithms:
+        base, _, flag = a.partition(":")
+        if base not in known or flag not in ("", "nocheck") or (base == "native" and flag):
+            p.error(
+                f"--algorithms: {a!r} is not one of {list(known)}, optionally with ':nocheck' "
+                "(not on native); e.g. --algorithms ring,ring:nocheck,native"
+            )
+    if args.launches < 1:
+        p.error(f"--launches: {args.launches} must be >= 1; pass e.g. --launches 3")
     cfg = {
         "sizes": sizes,
         "algorithms": algorithms,
@@ -268,14 +324,19 @@ def main(argv: list[str] | None = None) -> int:
     for n in (int(x) for x in args.world_sizes.split(",") if x):
         t0 = time.perf_counter()
         load0 = os.getloadavg()
-        result = run_processes(
-            n,
-            _worker,
-            cfg,
-            backend=args.backend,
-            timeout=args.timeout,
-            comm_timeout=min(args.timeout, 300.0),
-        )[0]
+        result = _merge(
+            [
+                run_processes(
+                    n,
+                    _worker,
+                    cfg,
+                    backend=args.backend,
+                    timeout=args.timeout,
+                    comm_timeout=min(args.timeout, 300.0),
+                )[0]
+                for _ in range(max(1, args.launches))
+            ]
+        )
         raw[str(n)] = result
         load1 = os.getloadavg()
         print(

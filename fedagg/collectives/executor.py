@@ -358,7 +358,7 @@ def compile_plan(
     header: bool,
 ) -> Plan:
     """The :class:`Plan` of ``rank`` (cached on ``schedule``)."""
-    key = ("plan", rank, work_dtype, wire_dtype, segment_elems, header)
+    key = ("plan", rank, work_dtype, wire_dtype, segment_elems, header and RIDE_BYTES)
     cache = schedule.cache
     plan = cache.get(key)
     if plan is None:

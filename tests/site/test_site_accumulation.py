@@ -13,7 +13,8 @@ from torch import nn
 from clients.buckets import GradReducer
 from clients.local import train_single
 from clients.site import run_site
-from fedagg.collectives import run_inprocess
+from fedagg.collectives import InProcessGroup, run_inprocess
+from fedagg.errors import ConfigError
 from fedagg.models import build_model
 
 
@@ -100,3 +101,42 @@ def test_site_with_accumulation_equals_single_worker(m: int) -> None:
     up = run_site(s, w0)
     assert delta_rel_diff(up.weights, ref.weights, w0) < 1e-5
     assert up.metrics["allreduce-calls"] == up.metrics["steps"] * up.metrics["buckets"]
+
+
+@pytest.mark.parametrize("check", ["first", "always"])
+def test_each_bucket_size_is_verified_once_then_reduced_unchecked(check: str) -> None:
+    """check='first': one header per bucket size, later steps unchecked, same gradients."""
+    x, y = _data()
+    base = build_model("mlp", (1, 8, 8), 10, seed=3)
+    models = [copy.deepcopy(base) for _ in range(3)]
+    steps = 3
+
+    def worker(comm):  # type: ignore[no-untyped-def]
+        model = models[comm.rank]
+        red = GradReducer(model.parameters(), comm, algorithm="auto", bucket_bytes=20_000,
+                          check=check)
+        loss_fn = nn.CrossEntropyLoss(reduction="sum")
+        mine = np.array_split(np.arange(len(y)), comm.world_size)[comm.rank]
+        grads = []
+        for _ in range(steps):
+            model.zero_grad()
+            red.begin_step()
+            (loss_fn(model(x[mine]), y[mine]) / len(y)).backward()
+            red.finish_step()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        red.close()
+        return grads, red.stats, sorted({b.flat.numel() for b in red.buckets})
+
+    expected = _large_batch_grads(x, y, base)
+    for grads, stats, sizes in run_inprocess(3, worker, timeout=60):
+        assert stats.calls == 4 * steps  # 20 kB buckets: [b, W, b] [W] [b] [W]
+        assert stats.checked_calls == (len(sizes) if check == "first" else stats.calls)
+        for step in grads:
+            for g, e in zip(step, expected, strict=True):
+                torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-7)
+
+
+def test_check_mode_is_validated() -> None:
+    model = build_model("mlp", (1, 8, 8), 10, seed=3)
+    with pytest.raises(ConfigError, match="check"):
+        GradReducer(model.parameters(), InProcessGroup(1).communicators()[0], check="never")
