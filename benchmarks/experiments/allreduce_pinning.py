@@ -12,13 +12,16 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from fedagg.collectives.backends.torch_dist import run_processes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _interleave import interleaved
 
 
 def job(comm: Any, nbytes: int, reps: int, pin: bool) -> dict[str, list[float]]:
@@ -32,16 +35,7 @@ def job(comm: Any, nbytes: int, reps: int, pin: bool) -> dict[str, list[float]]:
         "native": lambda: dist.all_reduce(x),
         "ring": lambda: api.all_reduce(x, algorithm="ring", comm=comm),
     }
-    names = list(fns)
-    times: dict[str, list[float]] = {k: [] for k in names}
-    for i in range(reps):
-        r = i % len(names)
-        for k in names[r:] + names[:r]:
-            comm.barrier()
-            t0 = time.perf_counter()
-            fns[k]()
-            times[k].append(time.perf_counter() - t0)
-    return times
+    return interleaved(fns, reps, comm.barrier)
 
 
 def main() -> None:

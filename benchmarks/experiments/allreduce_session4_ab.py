@@ -13,7 +13,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,9 @@ import torch
 import torch.distributed as dist
 
 from fedagg.collectives.backends.torch_dist import run_processes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _interleave import interleaved
 
 
 def job(
@@ -38,16 +40,7 @@ def job(
         "old": lambda: old_api.all_reduce(x, algorithm=alg, comm=comm, check=check),
         "new": lambda: api.all_reduce(x, algorithm=alg, comm=comm, check=check),
     }
-    names = list(fns)
-    times: dict[str, list[float]] = {k: [] for k in names}
-    for i in range(reps):
-        r = i % len(names)
-        for k in names[r:] + names[:r]:
-            comm.barrier()
-            t0 = time.perf_counter()
-            fns[k]()
-            times[k].append(time.perf_counter() - t0)
-    return times
+    return interleaved(fns, reps, comm.barrier)
 
 
 def main() -> None:
