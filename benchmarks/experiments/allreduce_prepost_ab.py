@@ -6,7 +6,9 @@ public ``all_reduce`` (ring, consistency header included); the three are interle
 iteration with the order rotated, and a call's time is the max over ranks of the medians.
 
 Run: ``python benchmarks/experiments/allreduce_prepost_ab.py`` (spawns 2 and 4 gloo processes
-on 127.0.0.1; ~1 minute).
+on 127.0.0.1; ~1 minute). It patches session 3's interpreter loop (``_Run``), which session 4
+replaced by compiled plans: run it in a checkout of commit b2a5fbc
+(``git worktree add /tmp/s3 b2a5fbc && cd /tmp/s3 && PYTHONPATH=. python ...``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from fedagg.collectives import all_reduce
 from fedagg.collectives import executor as ex
 from fedagg.collectives.backends.torch_dist import run_processes
 
+if not hasattr(ex, "_Run"):
+    raise SystemExit(
+        "this A/B needs session 3's executor (_Run); run it at commit b2a5fbc, see the docstring"
+    )
 NEW = ex._Run.run_pipelined
 
 
