@@ -10,7 +10,8 @@ the max over the two ranks. Run: ``python benchmarks/experiments/allreduce_bare_
 from __future__ import annotations
 
 import statistics
-import time
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,6 +19,9 @@ import torch.distributed as dist
 
 from fedagg.collectives import all_reduce
 from fedagg.collectives.backends.torch_dist import run_processes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _interleave import interleaved
 
 
 def halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,15 +77,7 @@ def job(comm: Any, nbytes: int, reps: int) -> dict[str, float]:
         "ours": lambda: all_reduce(x, algorithm="ring", comm=comm),
         "ours_nocheck": lambda: all_reduce(x, algorithm="ring", comm=comm, check=False),
     }
-    names = list(fns)
-    times: dict[str, list[float]] = {k: [] for k in names}
-    for i in range(reps):
-        r = i % len(names)
-        for k in names[r:] + names[:r]:
-            dist.barrier()
-            t0 = time.perf_counter()
-            fns[k]()
-            times[k].append(time.perf_counter() - t0)
+    times = interleaved(fns, reps, dist.barrier)
     return {k: statistics.median(v[3:]) * 1e3 for k, v in times.items()}
 
 

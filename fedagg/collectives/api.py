@@ -51,6 +51,11 @@ _WIRE: dict[str | None, torch.dtype | None] = {
     "float16": torch.float16,
 }
 _ALGO_CODE = {a: i + 1 for i, a in enumerate(ALGORITHMS)}
+_ALGO_OF = {c: a for a, c in _ALGO_CODE.items()}
+_DTYPE_OF = {c: d for d, c in DTYPES.items()}
+_WIRE_CODE: dict[torch.dtype | None, int] = {None: 0, torch.bfloat16: 1, torch.float16: 2}
+"""Header code of the low-precision wire dtype (0: the tensor's own dtype)."""
+_WIRE_OF = {c: d for d, c in _WIRE_CODE.items()}
 _MAGIC = 0x46454441  # "FEDA"
 _FIELDS = (
     "magic",
@@ -271,16 +276,13 @@ def _peer_plan(header: list[int], rank: int, world_size: int) -> tuple[Plan, tor
     A rank posts its data receives before the header check when its own input was valid and
     the algorithm has a schedule; its plan follows from its header alone.
     """
-    names_a = {c: a for a, c in _ALGO_CODE.items()}
-    names_d = {c: d for d, c in DTYPES.items()}
     magic, status, numel, dcode, acode, _, wcode, group, seg = header
-    alg, dtype = names_a.get(acode), names_d.get(dcode)
-    wires = {0: dtype, 1: torch.bfloat16, 2: torch.float16}
+    alg, dtype = _ALGO_OF.get(acode), _DTYPE_OF.get(dcode)
     if magic != _MAGIC or status != 0 or alg not in SCHEDULED_ALGORITHMS or dtype is None:
         return None
-    wire = wires.get(wcode)
-    if wire is None or seg < 1 or numel < 0:
+    if wcode not in _WIRE_OF or seg < 1 or numel < 0:
         return None
+    wire = _WIRE_OF[wcode] or dtype
     try:
         schedule = get_schedule(alg, world_size, numel, group_size=group or None)
     except ConfigError:
@@ -344,11 +346,10 @@ def _check_headers(headers: list[list[int]]) -> None:
         if len(set(values)) > 1:
             shown = values
             if name == "dtype":
-                names = {c: str(d).removeprefix("torch.") for d, c in DTYPES.items()}
+                names = {c: str(d).removeprefix("torch.") for c, d in _DTYPE_OF.items()}
                 shown = [names.get(v, v) for v in values]  # type: ignore[misc]
             elif name == "algorithm":
-                names_a = {c: a for a, c in _ALGO_CODE.items()}
-                shown = [names_a.get(v, v) for v in values]  # type: ignore[misc]
+                shown = [_ALGO_OF.get(v, v) for v in values]  # type: ignore[misc]
             raise CollectiveError(
                 explain(
                     name,
@@ -462,7 +463,7 @@ def all_reduce(
                 DTYPES.get(tensor.dtype, -1) if isinstance(tensor, torch.Tensor) else -1,
                 _ALGO_CODE.get(resolved, -1),
                 OPS.index(op) if op in OPS else -1,
-                {None: 0, torch.bfloat16: 1, torch.float16: 2}.get(_WIRE.get(wire_dtype), -1),
+                _WIRE_CODE.get(_WIRE.get(wire_dtype), -1),
                 group_size or 0,
                 seg_elems,
             ],
