@@ -237,10 +237,25 @@ def _decode(
     ]
 
 
-def _header_hook(comm: Communicator, header: torch.Tensor, wire: torch.dtype) -> HeaderExchange:
-    """The header round of a scheduled all-reduce, carrying step-0 data (see ``execute``)."""
+class _HeaderRound:
+    """The header round of a scheduled all-reduce, carrying step-0 data (see ``execute``).
 
-    def exchange(
+    Called by the Python replay as a :data:`~fedagg.collectives.executor.HeaderExchange`. The
+    C++ plan runner (:mod:`fedagg.collectives.plan_runner`) runs the same round itself from
+    :attr:`head` and :attr:`cap` and hands a disagreement to :meth:`failed`.
+    """
+
+    def __init__(self, comm: Communicator, header: torch.Tensor, wire: torch.dtype) -> None:
+        self.comm = comm
+        self.header = header
+        self.wire = wire
+        self.head = header.view(torch.uint8)
+        """This rank's header bytes."""
+        self.cap = _HEADER_BYTES + RIDE_BYTES
+        """Bytes every rank posts per peer for the header message."""
+
+    def __call__(
+        self,
         payloads: dict[int, torch.Tensor],
         expects: dict[int, int],
         post: Callable[[], list[tuple[int, Request]]],
@@ -250,24 +265,43 @@ def _header_hook(comm: Communicator, header: torch.Tensor, wire: torch.dtype) ->
         def before_send() -> None:
             posted.extend(post())
 
-        regions, pending = _exchange_header_messages(comm, header, payloads, before_send)
-        if not _agree(header, regions):
-            headers = _decode(comm, header, regions)
-            try:
-                _check_headers(headers)
-            except CollectiveError:
-                pending += _drain(comm, headers)
-                for src, req in posted:  # every well-formed peer drains the receives we posted
-                    if headers[src][0] == _MAGIC:
-                        req.wait()
-                for req, _ in pending:  # every peer posted a receive for these
-                    req.wait()
-                raise
-        end = {p: _HEADER_BYTES + ln * wire.itemsize for p, ln in expects.items()}
-        received = {p: regions[p][_HEADER_BYTES : end[p]].view(wire) for p in expects}
+        regions, pending = _exchange_header_messages(self.comm, self.header, payloads, before_send)
+        if not _agree(self.header, regions):
+            self.failed(regions, posted, pending)
+        end = {p: _HEADER_BYTES + ln * self.wire.itemsize for p, ln in expects.items()}
+        received = {p: regions[p][_HEADER_BYTES : end[p]].view(self.wire) for p in expects}
         return received, pending
 
-    return exchange
+    def failed(
+        self,
+        regions: dict[int, torch.Tensor],
+        posted: list[tuple[int, Request]],
+        pending: list[tuple[Request, torch.Tensor]],
+    ) -> None:
+        """Headers differ: fill the peers' posted receives, wait for ours, raise the error.
+
+        ``regions`` holds every peer's header message, ``posted`` this rank's data receives
+        (source, request) and ``pending`` its header sends.
+
+        Raises
+        ------
+        CollectiveError
+            Always (which field differs, or which rank rejected its input).
+        """
+        headers = _decode(self.comm, self.header, regions)
+        try:
+            _check_headers(headers)
+        except CollectiveError:
+            pending = pending + _drain(self.comm, headers)
+            for src, req in posted:  # every well-formed peer drains the receives we posted
+                if headers[src][0] == _MAGIC:
+                    req.wait()
+            for req, _ in pending:  # every peer posted a receive for these
+                req.wait()
+            raise
+        raise CollectiveError(  # unreachable: byte-equal headers are exactly the accepted ones
+            explain("header", "bytes differ", "but decode as equal", "report this as a bug")
+        )
 
 
 def _peer_plan(header: list[int], rank: int, world_size: int) -> tuple[Plan, torch.dtype] | None:
@@ -472,7 +506,7 @@ def all_reduce(
         )
         if comm.pipelined and error is None and resolved != "native":
             assert wire is not None  # narrowed above; not input validation
-            hook = _header_hook(comm, header, wire)  # the header rides with step-0 data
+            hook = _HeaderRound(comm, header, wire)  # the header rides with step-0 data
         else:
             pending: list[tuple[Request, torch.Tensor]] = []
             if comm.pipelined:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from fedagg.collectives import plan_runner
 from fedagg.collectives.api import all_reduce
 from fedagg.collectives.communicator import Communicator
 from fedagg.collectives.cost import CostModel, calibrate, fit_alpha_beta, predict
@@ -71,6 +72,7 @@ def _worker(comm: Communicator, cfg: dict[str, Any]) -> dict[str, Any]:
     from fedagg.collectives.backends.torch_dist import all_reduce_max
 
     torch.set_num_threads(int(cfg["threads"]))
+    runner_mode = os.environ.get(plan_runner.ENV, "auto")
     device = torch.device("cuda", torch.cuda.current_device()) if cfg["backend"] == "nccl" else None
     model = calibrate(comm, segment_bytes=cfg["segment_bytes"], method="concurrent")
     pingpong = calibrate(comm, segment_bytes=cfg["segment_bytes"], method="pingpong")
@@ -87,7 +89,7 @@ def _worker(comm: Communicator, cfg: dict[str, Any]) -> dict[str, Any]:
         "segment_bytes": model.segment_bytes,
         "rows": [],
     }
-    specs = [(a, a.split(":")[0], not a.endswith(":nocheck")) for a in algs]
+    specs = [(a, a.split(":")[0], "nocheck" not in a.split(":"), "py" in a.split(":")) for a in algs]
     for nbytes in cfg["sizes"]:
         numel = max(1, nbytes // 4)
         gen = torch.Generator().manual_seed(comm.rank)
@@ -98,13 +100,15 @@ def _worker(comm: Communicator, cfg: dict[str, Any]) -> dict[str, Any]:
         for rep in range(reps + 1):  # repeat 0 is warm-up
             for i in range(len(specs)):
                 j = (i + rep) % len(specs)
-                _, base, check = specs[j]
+                _, base, check, py = specs[j]
                 buf.copy_(src)
                 comm.barrier()
                 t0 = time.perf_counter()
                 if base == "native":
                     comm.native_all_reduce(buf, "sum")
                 else:
+                    if py:  # the Python replay instead of the C++ plan runner
+                        os.environ[plan_runner.ENV] = "0"
                     all_reduce(
                         buf,
                         algorithm=base,
@@ -112,6 +116,8 @@ def _worker(comm: Communicator, cfg: dict[str, Any]) -> dict[str, Any]:
                         segment_bytes=cfg["segment_bytes"],
                         check=check,
                     )
+                    if py:
+                        os.environ[plan_runner.ENV] = runner_mode
                 if device is not None:
                     torch.cuda.synchronize()
                 times[j, rep] = time.perf_counter() - t0
@@ -280,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--algorithms",
         default="ring,ring:nocheck,tree,hierarchical,native",
-        help="comma-separated; ':nocheck' runs that algorithm with check=False",
+        help="comma-separated; ':nocheck' runs that algorithm with check=False, ':py' on the "
+        "Python replay instead of the C++ plan runner",
     )
     p.add_argument(
         "--launches",
@@ -301,11 +308,16 @@ def main(argv: list[str] | None = None) -> int:
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     known = ("ring", "tree", "hierarchical", "native")
     for a in algorithms:
-        base, _, flag = a.partition(":")
-        if base not in known or flag not in ("", "nocheck") or (base == "native" and flag):
+        base, *flags = a.split(":")
+        if (
+            base not in known
+            or not set(flags) <= {"nocheck", "py"}
+            or len(set(flags)) != len(flags)
+            or (base == "native" and flags)
+        ):
             p.error(
                 f"--algorithms: {a!r} is not one of {list(known)}, optionally with ':nocheck' "
-                "(not on native); e.g. --algorithms ring,ring:nocheck,native"
+                "and / or ':py' (not on native); e.g. --algorithms ring,ring:nocheck,ring:py,native"
             )
     if args.launches < 1:
         p.error(f"--launches: {args.launches} must be >= 1; pass e.g. --launches 3")
@@ -320,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.backend == "nccl" and not torch.cuda.is_available():
         print("NCCL needs CUDA GPUs; none found.")
         return 2
+    if args.backend == "gloo":  # build it once here, not in every worker
+        runner = "C++ plan runner" if plan_runner.load() is not None else "Python replay"
+        print(f"scheduled algorithms run on the {runner} ({plan_runner.ENV}={plan_runner.mode()})")
     raw: dict[str, Any] = {}
     for n in (int(x) for x in args.world_sizes.split(",") if x):
         t0 = time.perf_counter()

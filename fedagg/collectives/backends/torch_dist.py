@@ -183,6 +183,61 @@ class TorchDistCommunicator:
             raise _translate(exc, "irecv", self._timeout) from exc
         return _Work(work, f"recv {self._rank}<-{src}", self._timeout)
 
+    @property
+    def process_group(self) -> Any:
+        """The torch.distributed ProcessGroup this communicator sends on."""
+        if self._group is not None:
+            return self._group
+        return dist.distributed_c10d._get_default_group()
+
+    def run_plan(
+        self,
+        runner: Any,
+        work: torch.Tensor,
+        scratch: torch.Tensor,
+        head: torch.Tensor | None,
+        rbuf: torch.Tensor | None,
+        sbuf: torch.Tensor | None,
+        cap: int,
+    ) -> tuple[bool, list[tuple[int, Request]], list[Request]]:
+        """Run a compiled plan on the C++ runner (:mod:`fedagg.collectives.plan_runner`).
+
+        Used by :func:`fedagg.collectives.executor.execute` on a pipelined group; ``head``,
+        ``rbuf``, ``sbuf``, ``cap`` describe the consistency-header round (``None`` / 0
+        without it). Returns ``(agree, posted data receives as (source, request), pending
+        header sends)``; the lists are empty when the headers agreed and the plan ran.
+
+        Raises
+        ------
+        CollectiveTimeout
+            A peer did not answer within :attr:`timeout`.
+        CollectiveError
+            The transport failed.
+        """
+        try:
+            ok, posted, sources, sends = runner.run(
+                self.process_group,
+                self._rank,
+                self._world,
+                work,
+                scratch,
+                head,
+                rbuf,
+                sbuf,
+                cap,
+                max(1, int(self._timeout * 1000)),
+            )
+        except Exception as exc:
+            raise _translate(exc, "all-reduce plan", self._timeout) from exc
+        return (
+            bool(ok),
+            [
+                (int(s), _Work(w, f"recv {self._rank}<-{s}", self._timeout))
+                for s, w in zip(sources, posted, strict=True)
+            ],
+            [_Work(w, f"header send from {self._rank}", self._timeout) for w in sends],
+        )
+
     def exchange(
         self,
         sends: Sequence[tuple[torch.Tensor, int]],

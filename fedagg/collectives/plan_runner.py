@@ -1,0 +1,144 @@
+"""The C++ plan runner: replays a compiled :class:`~fedagg.collectives.executor.Plan` over a
+torch.distributed process group with the GIL released.
+
+The Python replay (:func:`fedagg.collectives.executor._replay`) pays the interpreter on every
+message: torch.distributed's wrappers, request objects, tensor views, and the consistency
+header's build and check. On gloo each of those sits between a receive completing and the
+next send, i.e. on the critical path of every rank; on the 2-core VM it was 0.2-0.6 ms per
+call (docs/benchmarks.md), as much as a whole 1 MB all-reduce. The runner
+(``_plan_runner.cpp``) makes the same ``ProcessGroup.send`` / ``recv`` calls, in the same
+order, with the same message layout (header, then the step-0 data that rides with it), so a
+rank on the runner and a rank on the Python replay interoperate; the Python replay stays the
+reference and the path for other communicators (in-process, NCCL's grouped mode).
+
+The extension is compiled on first use with :func:`torch.utils.cpp_extension.load` (about
+a minute on 2 cores; a C++ compiler and ninja are needed) into torch's extension cache
+(``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and loaded from there
+afterwards. ``FEDAGG_PLAN_RUNNER`` controls it:
+
+* ``auto`` (default): use it when it builds; otherwise log one warning and use the Python replay;
+* ``0`` / ``off``: never use it;
+* ``1`` / ``require``: use it, raise if it cannot be built.
+
+Build it ahead of time (CI does, so that no test waits for the compiler) with
+``python -m fedagg.collectives.plan_runner``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from fedagg.errors import ConfigError, explain
+
+__all__ = ["ENV", "disabled", "load", "mode"]
+
+_log = logging.getLogger(__name__)
+
+ENV = "FEDAGG_PLAN_RUNNER"
+"""Environment variable: ``auto`` (default), ``0`` / ``off``, ``1`` / ``require``."""
+
+_SOURCE = Path(__file__).with_name("_plan_runner.cpp")
+_NAME = "fedagg_plan_runner"
+_lock = threading.Lock()
+_state: dict[str, Any] = {}
+_MODES = {"": "auto", "auto": "auto", "0": "off", "off": "off", "1": "require", "require": "require"}
+
+
+def mode() -> str:
+    """``auto``, ``off`` or ``require``, from :data:`ENV`.
+
+    Raises
+    ------
+    ConfigError
+        If :data:`ENV` holds anything else.
+    """
+    raw = os.environ.get(ENV, "").strip().lower()
+    if raw not in _MODES:
+        raise ConfigError(
+            explain(
+                ENV,
+                raw,
+                "must be auto, 0 / off or 1 / require",
+                f"unset {ENV} or set it to one of those",
+            )
+        )
+    return _MODES[raw]
+
+
+def disabled() -> bool:
+    """Whether :data:`ENV` turns the runner off (checked on every call: tests flip it)."""
+    return mode() == "off"
+
+
+def load() -> Any | None:
+    """The compiled extension module, building it on first use; ``None`` if unavailable.
+
+    Thread-safe; a failed build is not retried in this process. With ``FEDAGG_PLAN_RUNNER=1``
+    a failure raises instead.
+
+    Raises
+    ------
+    ConfigError
+        If the mode is ``require`` and the extension cannot be built or loaded.
+    """
+    want = mode()
+    if want == "off":
+        return None
+    with _lock:
+        if "module" not in _state:
+            _state["module"], _state["error"] = _build()
+            if _state["module"] is None:
+                _log.warning(
+                    "fedagg plan runner unavailable (%s); all-reduce schedules run on the "
+                    "Python replay. Set %s=0 to silence this.",
+                    _state["error"],
+                    ENV,
+                )
+    if _state["module"] is None and want == "require":
+        raise ConfigError(
+            explain(
+                ENV,
+                os.environ.get(ENV),
+                f"needs the C++ plan runner, which failed to build: {_state['error']}",
+                "install a C++ compiler and ninja (apt-get install g++ ninja-build), "
+                f"or set {ENV}=auto",
+            )
+        )
+    return _state["module"]
+
+
+def _build() -> tuple[Any | None, str]:
+    try:
+        from torch.utils import cpp_extension
+
+        module = cpp_extension.load(
+            name=_NAME,
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O2"],
+            verbose=False,
+        )
+    except Exception as exc:  # compiler missing, build error, ABI mismatch: fall back
+        first = str(exc).strip().splitlines()
+        return None, f"{type(exc).__name__}: {first[0][:200] if first else ''}"
+    return module, ""
+
+
+def main() -> None:
+    """Build (or find) the extension and say where it is; exit 1 if it cannot be built."""
+    import sys
+
+    os.environ[ENV] = "require"
+    try:
+        module = load()
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        raise SystemExit(1) from exc
+    print(f"fedagg plan runner: {module.__file__}")
+
+
+if __name__ == "__main__":
+    main()
