@@ -21,6 +21,21 @@ TaskIdentity.node_id = 0
 TaskIdentity.task_id = 1
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Build the collectives' C++ plan runner once, in the controller, before any worker needs it.
+
+    Workers of a gloo test would otherwise wait for the compiler (about a minute) inside their
+    communication timeout. Cached by torch afterwards; with no compiler this logs a warning
+    and the tests that require the runner fail with the build error.
+    """
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    from fedagg.collectives import plan_runner
+
+    if not plan_runner.disabled():
+        plan_runner.load()
+
+
 def process_cmdlines() -> dict[int, str]:
     """``{pid: command line}`` of every live process other than this one (from /proc).
 
@@ -31,30 +46,57 @@ def process_cmdlines() -> dict[int, str]:
     for d in Path("/proc").iterdir():
         if d.name.isdigit() and int(d.name) != os.getpid():
             try:
-                out[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                out[int(d.name)] = (
+                    (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                )
             except OSError:
                 continue
     return out
 
 
-def reply_message(node_id: int, content: RecordDict | None = None, *, error: str | None = None,
-                  message_type: str = "train", group_id: str = "") -> Message:
+def reply_message(
+    node_id: int,
+    content: RecordDict | None = None,
+    *,
+    error: str | None = None,
+    message_type: str = "train",
+    group_id: str = "",
+) -> Message:
     """A reply as the server receives it from ``node_id`` (real Message + Metadata)."""
-    md = Metadata(run_id=1, message_id=uuid.uuid4().hex, src_node_id=node_id, dst_node_id=0,
-                  reply_to_message_id=uuid.uuid4().hex, group_id=group_id, created_at=time.time(),
-                  ttl=3600.0, message_type=message_type)
+    md = Metadata(
+        run_id=1,
+        message_id=uuid.uuid4().hex,
+        src_node_id=node_id,
+        dst_node_id=0,
+        reply_to_message_id=uuid.uuid4().hex,
+        group_id=group_id,
+        created_at=time.time(),
+        ttl=3600.0,
+        message_type=message_type,
+    )
     if error is not None:
         return Message(error=Error(code=0, reason=error), metadata=md)
     return Message(content=content if content is not None else RecordDict(), metadata=md)
 
 
-def train_reply(node_id: int, arrays: list[np.ndarray], num_examples: float,
-                keys: list[str] | None = None, **metrics: float) -> Message:
+def train_reply(
+    node_id: int,
+    arrays: list[np.ndarray],
+    num_examples: float,
+    keys: list[str] | None = None,
+    **metrics: float,
+) -> Message:
     """A train reply carrying ``arrays`` and ``num-examples``."""
     names = keys or [str(i) for i in range(len(arrays))]
-    rec = ArrayRecord({k: Array(np.ascontiguousarray(a)) for k, a in zip(names, arrays, strict=True)})
-    return reply_message(node_id, RecordDict({"arrays": rec, "metrics": MetricRecord(
-        {"num-examples": num_examples, **metrics})}))
+    rec = ArrayRecord(
+        {k: Array(np.ascontiguousarray(a)) for k, a in zip(names, arrays, strict=True)}
+    )
+    return reply_message(
+        node_id,
+        RecordDict(
+            {"arrays": rec, "metrics": MetricRecord({"num-examples": num_examples, **metrics})}
+        ),
+    )
 
 
 @pytest.hookimpl(tryfirst=True)

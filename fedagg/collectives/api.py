@@ -79,9 +79,32 @@ def last_stats() -> CollectiveStats | None:
 
 
 def _default_comm(timeout: float | None) -> Communicator:
-    from fedagg.collectives.backends.torch_dist import TorchDistCommunicator
+    """A communicator over the default process group, reused while that group lives."""
+    from fedagg.collectives.backends.torch_dist import TorchDistCommunicator, default_group
 
-    return TorchDistCommunicator() if timeout is None else TorchDistCommunicator(timeout=timeout)
+    group = default_group()
+    cached: dict[float | None, tuple[object, Communicator]] = getattr(_local, "comms", {})
+    _local.comms = cached
+    hit = cached.get(timeout)
+    if hit is not None and hit[0] is group:
+        return hit[1]
+    comm = TorchDistCommunicator() if timeout is None else TorchDistCommunicator(timeout=timeout)
+    cached[timeout] = (group, comm)
+    return comm
+
+
+_headers: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+def _header_tensor(fields: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The int64 header tensor of these fields, built once per distinct header (read-only)."""
+    key = (fields, device)
+    out = _headers.get(key)
+    if out is None:
+        if len(_headers) >= 1024:
+            _headers.clear()
+        out = _headers[key] = torch.tensor(fields, dtype=torch.int64, device=device)
+    return out
 
 
 def _validate(tensor: object, algorithm: str, op: str, wire: str | None) -> ConfigError | None:
@@ -489,8 +512,8 @@ def all_reduce(
     hook: HeaderExchange | None = None
     if check and n > 1:
         device = tensor.device if isinstance(tensor, torch.Tensor) else torch.device("cpu")
-        header = torch.tensor(
-            [
+        header = _header_tensor(
+            (
                 _MAGIC,
                 0 if error is None else 1,
                 numel,
@@ -500,9 +523,8 @@ def all_reduce(
                 _WIRE_CODE.get(_WIRE.get(wire_dtype), -1),
                 group_size or 0,
                 seg_elems,
-            ],
-            dtype=torch.int64,
-            device=device,
+            ),
+            device,
         )
         if comm.pipelined and error is None and resolved != "native":
             assert wire is not None  # narrowed above; not input validation
@@ -532,6 +554,7 @@ def all_reduce(
     st.header_bytes = 9 * 8 * (n - 1) if check else 0
     if resolved == "native":
         st.wire_dtype = st.dtype
+        st.runner = "native"
         if n > 1 and numel > 0:
             comm.native_all_reduce(tensor, op)
             st.bytes_sent = -1  # unknown: the backend's own algorithm

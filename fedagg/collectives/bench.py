@@ -89,7 +89,9 @@ def _worker(comm: Communicator, cfg: dict[str, Any]) -> dict[str, Any]:
         "segment_bytes": model.segment_bytes,
         "rows": [],
     }
-    specs = [(a, a.split(":")[0], "nocheck" not in a.split(":"), "py" in a.split(":")) for a in algs]
+    specs = [
+        (a, a.split(":")[0], "nocheck" not in a.split(":"), "py" in a.split(":")) for a in algs
+    ]
     for nbytes in cfg["sizes"]:
         numel = max(1, nbytes // 4)
         gen = torch.Generator().manual_seed(comm.rank)

@@ -24,8 +24,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -84,6 +84,9 @@ class CollectiveStats:
         Schedule steps (0 for ``native``).
     header_bytes : int
         Bytes this rank sent for the consistency header.
+    runner : str
+        What ran the schedule: ``cpp`` (the C++ plan runner), ``python`` (the Python
+        replay), ``grouped`` (step by step, NCCL) or ``native`` (the backend's all-reduce).
     seconds : float
         Wall time of the call on this rank.
     """
@@ -99,6 +102,7 @@ class CollectiveStats:
     messages_sent: int = 0
     steps: int = 0
     header_bytes: int = 0
+    runner: str = ""
     seconds: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
 
@@ -621,8 +625,10 @@ def execute(
         runner = _native_runner(plan, comm, header)
         if runner is not None:
             _run_native(runner, plan, comm, work, wire, header)
+            stats.runner = "cpp"
         else:
             _replay(plan, comm, work, wire, header)
+            stats.runner = "python"
         stats.bytes_sent += plan.sent * wire.itemsize
         stats.bytes_received += plan.received * wire.itemsize
         stats.messages_sent += plan.messages
@@ -631,6 +637,7 @@ def execute(
         if header is not None:
             _, pending = header({}, {}, list)
         _run_grouped(schedule, comm, work, wire, segment_elems, stats)
+        stats.runner = "grouped"
         for req, _ in pending:
             req.wait()
     stats.steps += schedule.num_steps

@@ -45,7 +45,14 @@ _SOURCE = Path(__file__).with_name("_plan_runner.cpp")
 _NAME = "fedagg_plan_runner"
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
-_MODES = {"": "auto", "auto": "auto", "0": "off", "off": "off", "1": "require", "require": "require"}
+_MODES = {
+    "": "auto",
+    "auto": "auto",
+    "0": "off",
+    "off": "off",
+    "1": "require",
+    "require": "require",
+}
 
 
 def mode() -> str:
@@ -137,7 +144,7 @@ def main() -> None:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         raise SystemExit(1) from exc
-    print(f"fedagg plan runner: {module.__file__}")
+    print(f"fedagg plan runner: {getattr(module, '__file__', module)}")
 
 
 if __name__ == "__main__":

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
 import torch
 
-from fedagg.collectives import TorchDistCommunicator, all_reduce, get_schedule, last_stats
+from fedagg.collectives import (
+    TorchDistCommunicator,
+    all_reduce,
+    get_schedule,
+    last_stats,
+    plan_runner,
+)
 from fedagg.collectives.backends.torch_dist import run_processes
 from fedagg.errors import CollectiveError, CollectiveTimeout, ConfigError
 
@@ -21,10 +28,23 @@ def _input(rank: int, d: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(d, generator=gen, dtype=torch.float64).to(dtype)
 
 
-def _oracle(comm: TorchDistCommunicator) -> list[str]:
+RUNNERS = {"cpp": "require", "python": "0"}
+"""``FEDAGG_PLAN_RUNNER`` per path; ``mixed``: rank 0 on the C++ runner, the others on Python."""
+
+
+def _use_runner(runner: str, rank: int) -> str:
+    """Set this worker's plan runner; return the ``CollectiveStats.runner`` it must report."""
+    if runner == "mixed":
+        runner = "cpp" if rank == 0 else "python"
+    os.environ[plan_runner.ENV] = RUNNERS[runner]
+    return runner
+
+
+def _oracle(comm: TorchDistCommunicator, runner: str) -> list[str]:
     """Every algorithm vs torch.distributed's all_reduce and the naive sum; returns failures."""
     torch.set_num_threads(1)
     n, rank = comm.world_size, comm.rank
+    expect_runner = _use_runner(runner, rank)
     failures: list[str] = []
     cases = [(d, torch.float32) for d in (*LENGTHS, n - 1, n + 1)]
     cases += [(257, torch.float64), (257, torch.bfloat16), (257, torch.float16)]
@@ -46,7 +66,9 @@ def _oracle(comm: TorchDistCommunicator) -> list[str]:
                 ):
                     failures.append(f"{alg} n={n} d={d} {dtype}: differs from dist.all_reduce")
                 st = last_stats()
-                if alg in ("ring", "tree", "hierarchical") and st is not None:
+                if alg in ("ring", "tree", "hierarchical") and st is not None and n > 1:
+                    if st.runner != expect_runner:
+                        failures.append(f"{alg} n={n} d={d}: ran on {st.runner!r}")
                     sched = get_schedule(alg, n, d)
                     if st.bytes_sent != t.element_size() * sched.elements_sent(rank):
                         failures.append(f"{alg} n={n} d={d}: bytes_sent {st.bytes_sent}")
@@ -86,7 +108,7 @@ def _errors(comm: TorchDistCommunicator) -> list[str]:
     return out
 
 
-def _mismatch_cases(comm: TorchDistCommunicator) -> list[str]:
+def _mismatch_cases(comm: TorchDistCommunicator, runner: str) -> list[str]:
     """Mismatches whose ranks posted many data receives before the check, then good calls.
 
     Valid ranks post their data receives before the header check; after a failed check every
@@ -96,6 +118,7 @@ def _mismatch_cases(comm: TorchDistCommunicator) -> list[str]:
     """
     torch.set_num_threads(1)
     r, n = comm.rank, comm.world_size
+    expect_runner = _use_runner(runner, r)
     big = 300_001
     cases: list[tuple[str, dict[str, object], torch.Tensor]] = [
         ("numel", {"algorithm": "ring"}, torch.ones(big + 1000 * r)),
@@ -128,18 +151,26 @@ def _mismatch_cases(comm: TorchDistCommunicator) -> list[str]:
         want = float(sum(range(n)) + n * i)
         if not torch.equal(y, torch.full((big,), want)):
             out.append(f"after case {i}: wrong sum {y[:3].tolist()} (want {want})")
+        st = last_stats()
+        if st is None or st.runner != expect_runner:
+            out.append(f"after case {i}: ran on {st.runner if st else None!r}")
     return out
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_gloo_group_is_clean_after_mismatches(n: int) -> None:
-    results = run_processes(n, _mismatch_cases, timeout=180, comm_timeout=30)
+@pytest.mark.parametrize(("n", "runner"), [(2, "cpp"), (3, "cpp"), (2, "python"), (3, "mixed")])
+def test_gloo_group_is_clean_after_mismatches(n: int, runner: str) -> None:
+    """Failed checks leave nothing posted, on the C++ runner, the Python replay and a mix."""
+    results = run_processes(n, _mismatch_cases, runner, timeout=180, comm_timeout=30)
     assert results == [[]] * n, results
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
-def test_gloo_oracle(n: int) -> None:
-    results = run_processes(n, _oracle, timeout=120, comm_timeout=30)
+@pytest.mark.parametrize(
+    ("n", "runner"),
+    [(2, "cpp"), (3, "cpp"), (4, "cpp"), (2, "python"), (3, "python"), (4, "python"), (3, "mixed")],
+)
+def test_gloo_oracle(n: int, runner: str) -> None:
+    """Oracle on both paths; ``mixed`` also shows that they send the same messages."""
+    results = run_processes(n, _oracle, runner, timeout=120, comm_timeout=30)
     assert results == [[]] * n, results
 
 

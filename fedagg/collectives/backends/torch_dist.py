@@ -50,6 +50,13 @@ def is_initialized() -> bool:
     return bool(dist.is_available() and dist.is_initialized())
 
 
+def default_group() -> Any:
+    """The default process group object (``None`` before ``init_process_group``)."""
+    if not is_initialized():
+        return None
+    return dist.distributed_c10d._get_default_group()
+
+
 def _translate(exc: Exception, what: str, timeout: float) -> CollectiveError:
     text = str(exc)
     if "timed out" in text.lower() or "timeout" in text.lower():
@@ -131,6 +138,7 @@ class TorchDistCommunicator:
         self._rank = dist.get_rank(group)
         self._world = dist.get_world_size(group)
         self._backend = str(dist.get_backend(group)).lower()
+        self._pg = group if group is not None else dist.distributed_c10d._get_default_group()
         self._globals = [
             r if group is None else dist.get_global_rank(group, r) for r in range(self._world)
         ]
@@ -186,9 +194,7 @@ class TorchDistCommunicator:
     @property
     def process_group(self) -> Any:
         """The torch.distributed ProcessGroup this communicator sends on."""
-        if self._group is not None:
-            return self._group
-        return dist.distributed_c10d._get_default_group()
+        return self._pg
 
     def run_plan(
         self,
@@ -216,7 +222,7 @@ class TorchDistCommunicator:
         """
         try:
             ok, posted, sources, sends = runner.run(
-                self.process_group,
+                self._pg,
                 self._rank,
                 self._world,
                 work,
