@@ -510,20 +510,21 @@ def _native_runner(plan: Plan, comm: Communicator, header: HeaderExchange | None
         return None
     from fedagg.collectives import plan_runner
 
+    runner = plan.native.get("runner")
+    if runner is not None:  # built, so the module loaded: only the switch can say no now
+        return None if plan_runner.disabled() else runner
     module = plan_runner.load()
     if module is None:
         return None
-    runner = plan.native.get("runner")
-    if runner is None:
-        runner = module.PlanRunner(
-            list(plan.ride_out),
-            list(plan.ride_in),
-            list(plan.recvs),
-            [(c, a, o, ln, b, list(r)) for c, a, o, ln, b, r in plan.ops],
-            plan.slots,
-            plan.readers,
-        )
-        plan.native["runner"] = runner
+    runner = module.PlanRunner(
+        list(plan.ride_out),
+        list(plan.ride_in),
+        list(plan.recvs),
+        [(c, a, o, ln, b, list(r)) for c, a, o, ln, b, r in plan.ops],
+        plan.slots,
+        plan.readers,
+    )
+    plan.native["runner"] = runner
     return runner
 
 

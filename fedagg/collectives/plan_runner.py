@@ -63,7 +63,11 @@ def mode() -> str:
     ConfigError
         If :data:`ENV` holds anything else.
     """
-    raw = os.environ.get(ENV, "").strip().lower()
+    given = os.environ.get(ENV, "")
+    hit = _MODES.get(given)  # the common case, without normalising (called on every all-reduce)
+    if hit is not None:
+        return hit
+    raw = given.strip().lower()
     if raw not in _MODES:
         raise ConfigError(
             explain(
