@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -120,3 +122,40 @@ def test_in_process_groups_use_the_python_replay(monkeypatch: pytest.MonkeyPatch
     for th in threads:
         th.join()
     assert seen == ["python", "python"]
+
+
+_PROBE = (
+    "import sys, torch\n"
+    "from fedagg.collectives import plan_runner\n"
+    "m = plan_runner.load()\n"
+    "print(m is not None, 'torch.utils.cpp_extension' in sys.modules)\n"
+)
+
+
+def _probe(env: dict[str, str]) -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_a_built_runner_loads_without_the_extension_builder(tmp_path: Path) -> None:
+    """Second and later processes import the built module directly (site workers start often)."""
+    monkeypatch_env = {plan_runner.ENV: "require"}
+    built = plan_runner.load() if not plan_runner.disabled() else None
+    assert built is not None
+    env = {
+        **os.environ,
+        **monkeypatch_env,
+        "XDG_CACHE_HOME": str(tmp_path),  # fedagg's pointer files go here (fresh) ...
+        # ... while torch keeps finding the extension it built (its cache follows XDG too)
+        "TORCH_EXTENSIONS_DIR": str(Path(built.__file__).parent.parent),
+    }
+    assert _probe(env) == "True True"  # no pointer yet: torch's loader, which writes one
+    pointers = list((tmp_path / "fedagg").glob("plan_runner-*.path"))
+    assert len(pointers) == 1
+    assert _probe(env) == "True False"  # the pointer: no torch.utils.cpp_extension import
+    pointers[0].write_text(str(tmp_path / "missing.so"))  # stale pointer: back to torch's loader
+    assert _probe(env) == "True True"
+    assert pointers[0].read_text().endswith(".so") and "missing" not in pointers[0].read_text()
