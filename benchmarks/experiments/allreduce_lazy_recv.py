@@ -11,7 +11,7 @@ Run: ``python benchmarks/experiments/allreduce_lazy_recv.py [MB] [segments per c
 from __future__ import annotations
 
 import sys
-import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +19,9 @@ import torch
 import torch.distributed as dist
 
 from fedagg.collectives.backends.torch_dist import run_processes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _interleave import interleaved
 
 
 def job(comm: Any, nbytes: int, reps: int, nseg: int) -> dict[str, list[float]]:
@@ -57,15 +60,7 @@ def job(comm: Any, nbytes: int, reps: int, nseg: int) -> dict[str, list[float]]:
             w.wait()
 
     fns = {"native": lambda: dist.all_reduce(x), "eager": eager, "lazy": lazy}
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    names = list(fns)
-    for i in range(reps):
-        for k in names[i % len(names) :] + names[: i % len(names)]:
-            comm.barrier()
-            t0 = time.perf_counter()
-            fns[k]()
-            times[k].append(time.perf_counter() - t0)
-    return times
+    return interleaved(fns, reps, comm.barrier)
 
 
 def main() -> None:

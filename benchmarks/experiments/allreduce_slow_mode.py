@@ -11,7 +11,9 @@ Run: ``python benchmarks/experiments/allreduce_slow_mode.py``.
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +21,9 @@ import torch
 import torch.distributed as dist
 
 from fedagg.collectives.backends.torch_dist import TorchDistCommunicator, run_processes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _interleave import interleaved
 
 
 def _ring(pg: Any, r: int, x: torch.Tensor, sc: torch.Tensor, marks: list[float] | None) -> None:
@@ -48,17 +53,25 @@ def _ring(pg: Any, r: int, x: torch.Tensor, sc: torch.Tensor, marks: list[float]
     mark()
 
 
+def _setup(nbytes: int) -> tuple[TorchDistCommunicator, int, Any, torch.Tensor, torch.Tensor]:
+    """One torch thread; communicator, rank, process group, buffer and half-size scratch."""
+    torch.set_num_threads(1)
+    pg = dist.distributed_c10d._get_default_group()
+    return (
+        TorchDistCommunicator(),
+        dist.get_rank(),
+        pg,
+        torch.ones(nbytes // 4),
+        torch.empty(nbytes // 8),
+    )
+
+
 def variants(comm: Any, nbytes: int, reps: int) -> dict[str, list[float]]:
     import fedagg.collectives.api as api
     from fedagg.collectives.executor import _native_runner, compile_plan
     from fedagg.collectives.schedule import get_schedule
 
-    torch.set_num_threads(1)
-    comm = TorchDistCommunicator()
-    r = dist.get_rank()
-    pg = dist.distributed_c10d._get_default_group()
-    x = torch.ones(nbytes // 4)
-    sc = torch.empty(nbytes // 8)
+    comm, r, pg, x, sc = _setup(nbytes)
     plan = compile_plan(
         get_schedule("ring", 2, x.numel()),
         r,
@@ -76,24 +89,11 @@ def variants(comm: Any, nbytes: int, reps: int) -> dict[str, list[float]]:
         "api_nocheck": lambda: api.all_reduce(x, algorithm="ring", comm=comm, check=False),
         "api_check": lambda: api.all_reduce(x, algorithm="ring", comm=comm),
     }
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    names = list(fns)
-    for i in range(reps):
-        for k in names[i % len(names) :] + names[: i % len(names)]:
-            comm.barrier()
-            t0 = time.perf_counter()
-            fns[k]()
-            times[k].append(time.perf_counter() - t0)
-    return times
+    return interleaved(fns, reps, comm.barrier)
 
 
 def timeline(comm: Any, nbytes: int, reps: int) -> list[list[float]]:
-    torch.set_num_threads(1)
-    comm = TorchDistCommunicator()
-    r = dist.get_rank()
-    pg = dist.distributed_c10d._get_default_group()
-    x = torch.ones(nbytes // 4)
-    sc = torch.empty(nbytes // 8)
+    comm, r, pg, x, sc = _setup(nbytes)
     rows = []
     for _ in range(reps):
         comm.barrier()
