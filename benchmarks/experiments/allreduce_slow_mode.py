@@ -68,7 +68,8 @@ def _setup(nbytes: int) -> tuple[TorchDistCommunicator, int, Any, torch.Tensor, 
 
 def variants(comm: Any, nbytes: int, reps: int) -> dict[str, list[float]]:
     import fedagg.collectives.api as api
-    from fedagg.collectives.executor import _native_runner, compile_plan
+    from fedagg.collectives.executor import compile_plan
+    from fedagg.collectives.plan_runner import runner_for
     from fedagg.collectives.schedule import get_schedule
 
     comm, r, pg, x, sc = _setup(nbytes)
@@ -80,7 +81,7 @@ def variants(comm: Any, nbytes: int, reps: int) -> dict[str, list[float]]:
         segment_elems=1 << 20,
         header=False,
     )
-    runner = _native_runner(plan, comm, None)
+    runner = runner_for(plan, comm, None)
     scratch = torch.empty(plan.scratch)
     fns = {
         "native": lambda: dist.all_reduce(x),

@@ -181,7 +181,7 @@ class Plan:
     received: int
     messages: int
     native: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-    """The plan's C++ runner once built (:func:`_native_runner`), under ``"runner"``."""
+    """The plan's C++ runner once built (:func:`~.plan_runner.runner_for`), under ``"runner"``."""
 
 
 class _Planner:
@@ -497,64 +497,6 @@ def _run_grouped(
                 view.copy_(tmp)
 
 
-def _native_runner(plan: Plan, comm: Communicator, header: HeaderExchange | None) -> Any | None:
-    """The C++ runner of ``plan`` if ``comm`` can run one (see :mod:`~.plan_runner`), else ``None``.
-
-    Only a communicator with a ``run_plan`` method (torch.distributed, pipelined) runs it, and
-    only with no header or the header round of :func:`fedagg.collectives.all_reduce` (a
-    ``HeaderExchange`` with ``head``, ``cap`` and ``failed``), which the runner reproduces.
-    """
-    if not hasattr(comm, "run_plan"):
-        return None
-    if header is not None and not hasattr(header, "head"):
-        return None
-    from fedagg.collectives import plan_runner
-
-    runner = plan.native.get("runner")
-    if runner is not None:  # built, so the module loaded: only the switch can say no now
-        return None if plan_runner.disabled() else runner
-    module = plan_runner.load()
-    if module is None:
-        return None
-    runner = module.PlanRunner(
-        list(plan.ride_out),
-        list(plan.ride_in),
-        list(plan.recvs),
-        [(c, a, o, ln, b, list(r)) for c, a, o, ln, b, r in plan.ops],
-        plan.slots,
-        plan.readers,
-    )
-    plan.native["runner"] = runner
-    return runner
-
-
-def _run_native(
-    runner: Any,
-    plan: Plan,
-    comm: Communicator,
-    work: torch.Tensor,
-    wire: torch.dtype,
-    header: HeaderExchange | None,
-) -> None:
-    """Run ``plan`` on the C++ runner: the messages of :func:`_replay`, with the GIL released."""
-    scratch = _scratch(plan.scratch, wire, work.device)
-    run_plan = getattr(comm, "run_plan")  # noqa: B009 - checked by _native_runner
-    if header is None:
-        run_plan(runner, work, scratch, None, None, None, 0)
-        return
-    n, rank = comm.world_size, comm.rank
-    head: torch.Tensor = getattr(header, "head")  # noqa: B009
-    cap: int = getattr(header, "cap")  # noqa: B009
-    rbuf = _scratch((n - 1) * cap, torch.uint8, work.device, "header-recv")
-    size = (n - 1) * head.numel() + sum(ln for _, _, ln in plan.ride_out) * wire.itemsize
-    sbuf = _scratch(size, torch.uint8, work.device, "header-send")
-    ok, posted, pending = run_plan(runner, work, scratch, head, rbuf, sbuf, cap)
-    if not ok:
-        peers = [p for p in range(n) if p != rank]
-        regions = {p: rbuf[i * cap : (i + 1) * cap] for i, p in enumerate(peers)}
-        getattr(header, "failed")(regions, posted, [(req, sbuf) for req in pending])  # noqa: B009
-
-
 HeaderExchange = Callable[
     [dict[int, torch.Tensor], dict[int, int], Callable[[], list[tuple[int, Request]]]],
     tuple[dict[int, torch.Tensor], list[tuple[Request, torch.Tensor]]],
@@ -623,9 +565,11 @@ def execute(
             segment_elems=segment_elems,
             header=header is not None,
         )
-        runner = _native_runner(plan, comm, header)
+        from fedagg.collectives import plan_runner  # imports this module: not at the top
+
+        runner = plan_runner.runner_for(plan, comm, header)
         if runner is not None:
-            _run_native(runner, plan, comm, work, wire, header)
+            plan_runner.run(runner, plan, comm, work, wire, header)
             stats.runner = "cpp"
         else:
             _replay(plan, comm, work, wire, header)

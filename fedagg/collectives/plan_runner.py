@@ -10,6 +10,8 @@ call (docs/benchmarks.md), as much as a whole 1 MB all-reduce. The runner
 order, with the same message layout (header, then the step-0 data that rides with it), so a
 rank on the runner and a rank on the Python replay interoperate; the Python replay stays the
 reference and the path for other communicators (in-process, NCCL's grouped mode).
+:func:`runner_for` and :func:`run` are what :func:`~fedagg.collectives.executor.execute`
+calls; the rest of this module builds and loads the extension.
 
 The extension is compiled on first use with :func:`torch.utils.cpp_extension.load` (about
 a minute on 2 cores; a C++ compiler and ninja are needed) into torch's extension cache
@@ -32,9 +34,13 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from fedagg.collectives.communicator import Communicator
+from fedagg.collectives.executor import HeaderExchange, Plan, _scratch
 from fedagg.errors import ConfigError, explain
 
-__all__ = ["ENV", "disabled", "load", "mode"]
+__all__ = ["ENV", "disabled", "load", "mode", "run", "runner_for"]
 
 _log = logging.getLogger(__name__)
 
@@ -209,6 +215,62 @@ def _build() -> tuple[Any | None, str]:
         first = str(exc).strip().splitlines()
         return None, f"{type(exc).__name__}: {first[0][:200] if first else ''}"
     return module, ""
+
+
+def runner_for(plan: Plan, comm: Communicator, header: HeaderExchange | None) -> Any | None:
+    """The C++ runner of ``plan`` if ``comm`` can run one, else ``None``.
+
+    Only a communicator with a ``run_plan`` method (torch.distributed, pipelined) runs it, and
+    only with no header or the header round of :func:`fedagg.collectives.all_reduce` (a
+    ``HeaderExchange`` with ``head``, ``cap`` and ``failed``), which the runner reproduces.
+    """
+    if not hasattr(comm, "run_plan"):
+        return None
+    if header is not None and not hasattr(header, "head"):
+        return None
+    runner = plan.native.get("runner")
+    if runner is not None:  # built, so the module loaded: only the switch can say no now
+        return None if disabled() else runner
+    module = load()
+    if module is None:
+        return None
+    runner = module.PlanRunner(
+        list(plan.ride_out),
+        list(plan.ride_in),
+        list(plan.recvs),
+        [(c, a, o, ln, b, list(r)) for c, a, o, ln, b, r in plan.ops],
+        plan.slots,
+        plan.readers,
+    )
+    plan.native["runner"] = runner
+    return runner
+
+
+def run(
+    runner: Any,
+    plan: Plan,
+    comm: Communicator,
+    work: torch.Tensor,
+    wire: torch.dtype,
+    header: HeaderExchange | None,
+) -> None:
+    """Run ``plan`` on the C++ runner: the messages of :func:`_replay`, with the GIL released."""
+    scratch = _scratch(plan.scratch, wire, work.device)
+    run_plan = getattr(comm, "run_plan")  # noqa: B009 - checked by runner_for
+    if header is None:
+        run_plan(runner, work, scratch, None, None, None, 0)
+        return
+    n, rank = comm.world_size, comm.rank
+    head: torch.Tensor = getattr(header, "head")  # noqa: B009
+    cap: int = getattr(header, "cap")  # noqa: B009
+    rbuf = _scratch((n - 1) * cap, torch.uint8, work.device, "header-recv")
+    size = (n - 1) * head.numel() + sum(ln for _, _, ln in plan.ride_out) * wire.itemsize
+    sbuf = _scratch(size, torch.uint8, work.device, "header-send")
+    ok, posted, pending = run_plan(runner, work, scratch, head, rbuf, sbuf, cap)
+    if not ok:
+        peers = [p for p in range(n) if p != rank]
+        regions = {p: rbuf[i * cap : (i + 1) * cap] for i, p in enumerate(peers)}
+        getattr(header, "failed")(regions, posted, [(req, sbuf) for req in pending])  # noqa: B009
 
 
 def main() -> None:
