@@ -132,15 +132,14 @@ _FLAGS = ["-O2"]
 
 
 def _stamp() -> str:
-    """What the built module depends on: the source, the flags and the torch build."""
+    """What the built module depends on: the source, the flags, torch's and Python's builds."""
     import hashlib
-
-    import torch
+    import sys
 
     digest = hashlib.sha256(_SOURCE.read_bytes())
-    digest.update(
-        " ".join([*_FLAGS, torch.__version__, str(torch.compiled_with_cxx11_abi())]).encode()
-    )
+    parts = [*_FLAGS, torch.__version__, str(torch.compiled_with_cxx11_abi())]
+    parts += [sys.implementation.cache_tag or "", sys.abiflags, str(torch.version.cuda)]
+    digest.update(" ".join(parts).encode())
     return digest.hexdigest()
 
 
@@ -169,7 +168,10 @@ def _import_built(stamp: str) -> Any | None:
     if spec is None or spec.loader is None:
         return None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError:  # e.g. a library it links against moved: let torch rebuild it
+        return None
     return module
 
 
@@ -254,7 +256,11 @@ def run(
     wire: torch.dtype,
     header: HeaderExchange | None,
 ) -> None:
-    """Run ``plan`` on the C++ runner: the messages of :func:`_replay`, with the GIL released."""
+    """Run ``plan`` on the C++ runner, with the GIL released.
+
+    The messages are those of :func:`fedagg.collectives.executor._replay`; a disagreeing header
+    goes to the header round's ``failed`` (drain, then raise) as on the Python path.
+    """
     scratch = _scratch(plan.scratch, wire, work.device)
     run_plan = getattr(comm, "run_plan")  # noqa: B009 - checked by runner_for
     if header is None:

@@ -191,11 +191,6 @@ class TorchDistCommunicator:
             raise _translate(exc, "irecv", self._timeout) from exc
         return _Work(work, f"recv {self._rank}<-{src}", self._timeout)
 
-    @property
-    def process_group(self) -> Any:
-        """The torch.distributed ProcessGroup this communicator sends on."""
-        return self._pg
-
     def run_plan(
         self,
         runner: Any,
