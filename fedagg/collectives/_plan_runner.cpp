@@ -76,7 +76,8 @@ class PlanRunner {
   // the peers' posted receives and raises. Otherwise (and without a header) replay the ops
   // and wait for every send; return (true, {}, {}, {}).
   std::tuple<bool, std::vector<WorkPtr>, std::vector<int64_t>, std::vector<WorkPtr>> run(
-      const PGPtr& pg,
+      const PGPtr& up,
+      const PGPtr& down,
       int64_t rank,
       int64_t world,
       at::Tensor work,
@@ -96,17 +97,22 @@ class PlanRunner {
     std::vector<WorkPtr> sends;
     std::vector<at::Tensor> keep;  // send buffers that must outlive their sends
 
+    // Messages to a higher rank travel on `up`, to a lower rank on `down` (the same group
+    // when the communicator does not split directions): see TorchDistCommunicator.
     auto send = [&](const at::Tensor& t, int64_t dst) {
       std::vector<at::Tensor> v{t};
-      sends.push_back(pg->send(v, static_cast<int>(dst), kTag));
+      sends.push_back((rank < dst ? up : down)->send(v, static_cast<int>(dst), kTag));
       return sends.back();
+    };
+    auto recv = [&](const at::Tensor& t, int64_t src) {
+      std::vector<at::Tensor> v{t};
+      return (src < rank ? up : down)->recv(v, static_cast<int>(src), kTag);
     };
     auto post = [&]() {
       for (const auto& r : recvs_) {
         at::Tensor buf = (r.direct ? work : scratch).narrow(0, r.offset, r.length);
         got[r.slot] = buf;
-        std::vector<at::Tensor> v{buf};
-        reqs[r.slot] = pg->recv(v, static_cast<int>(r.src), kTag);
+        reqs[r.slot] = recv(buf, r.src);
       }
     };
 
@@ -119,8 +125,7 @@ class PlanRunner {
       }
       std::vector<WorkPtr> hrecv;
       for (size_t i = 0; i < peers.size(); ++i) {
-        std::vector<at::Tensor> v{rbuf->narrow(0, static_cast<int64_t>(i) * cap, cap)};
-        hrecv.push_back(pg->recv(v, static_cast<int>(peers[i]), kTag));
+        hrecv.push_back(recv(rbuf->narrow(0, static_cast<int64_t>(i) * cap, cap), peers[i]));
       }
       post();
       int64_t pos = 0;
