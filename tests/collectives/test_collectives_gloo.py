@@ -80,6 +80,12 @@ def _oracle(comm: TorchDistCommunicator, runner: str) -> list[str]:
     return failures
 
 
+def _oracle_one_group(comm: TorchDistCommunicator, runner: str) -> list[str]:
+    """The oracle with every message on the one group (``directional=False``)."""
+    one = TorchDistCommunicator(timeout=comm.timeout, directional=False)
+    return _oracle(one, runner)
+
+
 def _errors(comm: TorchDistCommunicator) -> list[str]:
     """Mismatched inputs, then a rank that never calls (timeout); returns error types."""
     out: list[str] = []
@@ -172,6 +178,13 @@ def test_gloo_oracle(n: int, runner: str) -> None:
     """Oracle on both paths; ``mixed`` also shows that they send the same messages."""
     results = run_processes(n, _oracle, runner, timeout=120, comm_timeout=30)
     assert results == [[]] * n, results
+
+
+@pytest.mark.parametrize("runner", ["cpp", "python"])
+def test_gloo_oracle_on_one_group(runner: str) -> None:
+    """``directional=False`` (no per-direction groups) stays correct on both paths."""
+    results = run_processes(2, _oracle_one_group, runner, timeout=120, comm_timeout=30)
+    assert results == [[]] * 2, results
 
 
 def test_gloo_bad_input_raises_on_every_rank_and_times_out() -> None:

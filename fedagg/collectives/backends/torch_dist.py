@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -104,6 +105,7 @@ class _Work:
 
 
 _directional: dict[int, tuple[Any, Any, Any]] = {}
+_directional_lock = threading.Lock()
 
 
 def _direction_groups(base: Any, ranks: list[int]) -> tuple[Any, Any]:
@@ -112,13 +114,14 @@ def _direction_groups(base: Any, ranks: list[int]) -> tuple[Any, Any]:
     Created once per base group (collectively, by every member, like ``new_group``) and
     shared by all communicators over it.
     """
-    hit = _directional.get(id(base))
-    if hit is not None and hit[0] is base:
-        return hit[1], hit[2]
-    up = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
-    down = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
-    _directional[id(base)] = (base, up, down)
-    return up, down
+    with _directional_lock:  # two threads must not create them twice (ranks would disagree)
+        hit = _directional.get(id(base))
+        if hit is not None and hit[0] is base:
+            return hit[1], hit[2]
+        up = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+        down = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+        _directional[id(base)] = (base, up, down)
+        return up, down
 
 
 class TorchDistCommunicator:
