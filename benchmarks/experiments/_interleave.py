@@ -20,3 +20,20 @@ def interleaved(
             fns[k]()
             times[k].append(time.perf_counter() - t0)
     return times
+
+
+def paired_line(per_rank: list[dict[str, list[float]]], label: str, skip: int = 3) -> str:
+    """Medians (max over ranks per repeat) and paired ratios to ``native``, one line."""
+    import statistics
+
+    t = {
+        k: [max(r[k][i] for r in per_rank) for i in range(skip, len(per_rank[0][k]))]
+        for k in per_rank[0]
+    }
+    medians = " ".join(f"{k}={statistics.median(v) * 1e3:.2f}" for k, v in t.items())
+    paired = " ".join(
+        f"{k}={statistics.median(a / b for a, b in zip(t['native'], v, strict=True)):.2f}"
+        for k, v in t.items()
+        if k != "native"
+    )
+    return f"{label}: ms {medians} | paired {paired}"

@@ -15,46 +15,27 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from fedagg.collectives.backends.torch_dist import run_processes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _interleave import interleaved
+from _hand_ring import HandRing
+from _interleave import interleaved, paired_line
 
 
 def job(comm: Any, nbytes: int, reps: int, nseg: int) -> dict[str, list[float]]:
     torch.set_num_threads(1)
     r = dist.get_rank()
-    p = 1 - r
     one = dist.distributed_c10d._get_default_group()
     up, down = dist.new_group([0, 1]), dist.new_group([0, 1])  # up: 0 -> 1, down: 1 -> 0
     out_pg, in_pg = (up, down) if r == 0 else (down, up)
-    h = nbytes // 8
-    x = torch.ones(2 * h)
-    sc = torch.empty(h)
-    seg = h // nseg
-    mine = [slice(r * h + k * seg, r * h + (k + 1) * seg) for k in range(nseg)]
-    other = [slice((1 - r) * h + k * seg, (1 - r) * h + (k + 1) * seg) for k in range(nseg)]
-    scs = [sc[k * seg : (k + 1) * seg] for k in range(nseg)]
-
-    def ring(send_pg: Any, recv_pg: Any) -> None:
-        r1 = [recv_pg.recv([scs[k]], p, 0) for k in range(nseg)]
-        r2 = [recv_pg.recv([x[other[k]]], p, 0) for k in range(nseg)]
-        s = [send_pg.send([x[other[k]]], p, 0) for k in range(nseg)]
-        for k in range(nseg):
-            r1[k].wait()
-            x[mine[k]].add_(scs[k])
-            s.append(send_pg.send([x[mine[k]]], p, 0))
-        for w in r2 + s:
-            w.wait()
-
+    ring = HandRing(r, nbytes, nseg)
     fns = {
-        "native": lambda: dist.all_reduce(x),
-        "one_group": lambda: ring(one, one),
-        "split": lambda: ring(out_pg, in_pg),
+        "native": lambda: dist.all_reduce(ring.x),
+        "one_group": lambda: ring.eager(one, one),
+        "split": lambda: ring.eager(out_pg, in_pg),
     }
     return interleaved(fns, reps, comm.barrier)
 
@@ -67,17 +48,7 @@ def main() -> None:
         reps = 100 if nbytes <= 1 << 20 else 25
         for _ in range(3):
             per = run_processes(2, job, nbytes, reps, nseg)
-            t = {
-                k: np.array([max(a, b) for a, b in zip(per[0][k][3:], per[1][k][3:], strict=True)])
-                for k in per[0]
-            }
-            print(
-                f"{mb:g} MB, {nseg} segments/chunk: ms "
-                + " ".join(f"{k}={np.median(v) * 1e3:.2f}" for k, v in t.items())
-                + " | paired "
-                + " ".join(f"{k}={np.median(t['native'] / t[k]):.2f}" for k in t if k != "native"),
-                flush=True,
-            )
+            print(paired_line(per, f"{mb:g} MB, {nseg} segments/chunk"), flush=True)
 
 
 if __name__ == "__main__":
