@@ -111,14 +111,15 @@ def _worker(comm: Communicator, cfg: dict[str, Any]) -> dict[str, Any]:
                 else:
                     if py:  # the Python replay instead of the C++ plan runner
                         os.environ[plan_runner.ENV] = "0"
-                    all_reduce(
-                        buf,
-                        algorithm=base,
-                        comm=comm,
-                        segment_bytes=cfg["segment_bytes"],
-                        check=check,
-                    )
-                    if py:
+                    try:
+                        all_reduce(
+                            buf,
+                            algorithm=base,
+                            comm=comm,
+                            segment_bytes=cfg["segment_bytes"],
+                            check=check,
+                        )
+                    finally:
                         os.environ[plan_runner.ENV] = runner_mode
                 if device is not None:
                     torch.cuda.synchronize()
