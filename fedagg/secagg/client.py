@@ -11,6 +11,19 @@ fail, before touching any secret. Mask keys are single use: every upload carries
 half and encrypted shares of the *next* mask key, and the used secret is dropped, so a key
 reconstructed after a dropout exposes one round only (see the threat model in the docs).
 
+Against a server that lies (docs/protocols/secagg.md, section 4), a site also
+
+* enforces its own floor on the parameters (``t > threshold_floor * k``, ``k >= min_neighbours``;
+  :func:`~fedagg.secagg.params.check_site_floor`);
+* recomputes the neighbour graph from a hash of every advertised key of the epoch, and checks
+  that its own keys are among them;
+* remembers, per run, the highest key generation of every neighbour it has seen used in a
+  round, and refuses a round that announces a neighbour at that generation or an older one
+  (a re-announced key would let the server collect shares of a key that already masked an
+  upload it has unmasked);
+* answers an unmask request even when some relayed ciphertexts do not decrypt: it leaves out
+  only those senders' shares.
+
 Protocol: Bonawitz et al., CCS 2017 (double masking, section 4) on the neighbour graph of
 Bell et al., CCS 2020 (SecAgg+).
 """
@@ -18,6 +31,7 @@ Bell et al., CCS 2020 (SecAgg+).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from enum import IntEnum
 from typing import Any
 
@@ -26,7 +40,7 @@ from numpy.typing import NDArray
 
 from fedagg.errors import AbortRound, ConfigError, ProtocolError, VerificationError, explain
 from fedagg.secagg import fixed_point, packing, shamir
-from fedagg.secagg.graph import graph_seed, harary_graph
+from fedagg.secagg.graph import ADVERTISED_KEY_BYTES, graph_seed, harary_graph
 from fedagg.secagg.keys import (
     KEY_BYTES,
     RandomBytes,
@@ -52,13 +66,19 @@ from fedagg.secagg.messages import (
     UnmaskResponse,
     split_blob,
 )
-from fedagg.secagg.params import SecAggParams
+from fedagg.secagg.params import (
+    DEFAULT_MIN_NEIGHBOURS,
+    DEFAULT_THRESHOLD_FLOOR,
+    SecAggParams,
+    check_site_floor,
+    validate_site_floor,
+)
 from fedagg.secagg.threads import resolve_threads
 
 __all__ = ["ClientStage", "ClientState"]
 
 logger = logging.getLogger(__name__)
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2: the per-run key-generation floor of every neighbour
 
 
 class ClientStage(IntEnum):
@@ -69,6 +89,9 @@ class ClientStage(IntEnum):
     READY = 2
     UPLOADED = 3
     UNMASKED = 4
+
+
+_NONE = (-1, -1)  # no generation seen yet
 
 
 def _split_keys(blob: bytes, count: int, field: str) -> list[bytes]:
@@ -96,6 +119,23 @@ class ClientState:
     threads : int, optional
         Worker threads for expanding the masks (``None`` / ``0``: automatic, one per CPU up
         to 4; ``1``: none). The upload does not depend on it (:mod:`fedagg.secagg.threads`).
+    threshold_floor : float, optional
+        The site's own floor for the threshold: it refuses (``ProtocolError``) a setup whose
+        ``t <= threshold_floor * k``. The default ``0.5`` means ``t > k / 2``, which keeps a
+        server that lies about who dropped from collecting both kinds of share of one site.
+        ``0`` accepts any ``t >= 1`` (tests only). The server sends ``params``, so this is
+        the site's protection, not a setting to match the server's.
+    min_neighbours : int, optional
+        The site refuses a neighbour graph of degree ``k < min(min_neighbours, N - 1)``
+        (default 3; ``N - 1`` is the complete graph). Raise it for large federations, e.g.
+        to ``3 * ceil(log2 N)``, the SecAgg+ default (Bell et al. 2020).
+
+    Raises
+    ------
+    ProtocolError
+        ``site`` is not a small non-negative int.
+    ConfigError
+        ``threshold_floor`` not in ``[0, 1)`` or ``min_neighbours < 1``.
     """
 
     def __init__(
@@ -105,6 +145,8 @@ class ClientState:
         *,
         random_bytes: RandomBytes,
         threads: int | None = None,
+        threshold_floor: float = DEFAULT_THRESHOLD_FLOOR,
+        min_neighbours: int = DEFAULT_MIN_NEIGHBOURS,
     ) -> None:
         if isinstance(site, bool) or not isinstance(site, (int, np.integer)):
             raise ProtocolError(explain("site", site, "must be an int", "map node ids to indices"))
@@ -112,13 +154,22 @@ class ClientState:
             raise ProtocolError(
                 explain("site", site, "must be in [0, 2^31 - 2)", "map node ids to small indices")
             )
+        validate_site_floor(threshold_floor, min_neighbours)
         self.site = int(site)
         self.params = params
+        self.threshold_floor = float(threshold_floor)
+        self.min_neighbours = int(min_neighbours)
         self._random_bytes = random_bytes
         self.threads = resolve_threads(threads)
+        self.run_id = b""
+        self._gen_floor: dict[int, tuple[int, int]] = {}
         self._reset(b"", 0)
 
     def _reset(self, run_id: bytes, epoch: int) -> None:
+        if run_id != self.run_id:
+            # neighbour -> (epoch, generation) of its newest mask key seen used in a round;
+            # kept across epochs of one run (sites keep their index for the run)
+            self._gen_floor = {}
         self.stage = ClientStage.NEW
         self.run_id = run_id
         self.epoch = epoch
@@ -179,6 +230,18 @@ class ClientState:
             for j, share in zip(recipients, shares, strict=True)
         )
 
+    def _check_floor(self, num_sites: int) -> int:
+        """``k`` for ``num_sites``; ProtocolError when the server's parameters are too weak."""
+        try:
+            return check_site_floor(
+                self.params,
+                num_sites,
+                threshold_floor=self.threshold_floor,
+                min_neighbours=self.min_neighbours,
+            )
+        except ConfigError as err:
+            raise ProtocolError(f"refused by site {self.site}: {err}") from None
+
     def _decrypt_share(self, src: int, blob: bytes, kind: ShareKind, counter: int) -> shamir.Share:
         plain = decrypt_share(
             self._secret(self._c),
@@ -199,6 +262,22 @@ class ClientState:
             raise VerificationError()
         return share
 
+    def _open_all(
+        self,
+        senders: tuple[int, ...],
+        blobs: list[bytes],
+        kind: ShareKind,
+        counter: Callable[[int], int],
+    ) -> list[tuple[int, NDArray[np.uint32]]]:
+        """Decrypt each relayed share; a ciphertext that fails costs only its sender's share."""
+        out = []
+        for j, blob in zip(senders, blobs, strict=True):
+            try:
+                out.append((j, self._decrypt_share(j, blob, kind, counter(j)).y))
+            except VerificationError:
+                continue
+        return out
+
     # -- setup ---------------------------------------------------------------------------
     def handle_advertise(self, request: KeyAdvertiseRequest) -> KeyAdvertise:
         """Setup exchange 1: make fresh ``c`` and ``s`` key pairs for a new epoch."""
@@ -212,6 +291,11 @@ class ClientState:
             raise ProtocolError(
                 explain("epoch", request.epoch, f"must be > {self.epoch} (replay?)", "new epoch")
             )
+        try:
+            self.params.neighbours_for(len(request.roster))
+        except ConfigError as err:
+            raise AbortRound(str(err)) from err
+        self._check_floor(len(request.roster))  # before any key is made
         self._reset(request.run_id, request.epoch)
         self._c = SecretKey.generate(self._random_bytes)
         self._s = SecretKey.generate(self._random_bytes)
@@ -227,24 +311,52 @@ class ClientState:
     def handle_share_keys(self, request: ShareKeysRequest) -> ShareKeys:
         """Setup exchange 2: share the generation-0 mask key among the graph neighbours."""
         self._require((ClientStage.ADVERTISED,), request.epoch, "share keys")
-        roster = tuple(sorted(set(request.roster)))
-        if self.site not in roster or len(roster) != len(request.roster):
-            raise ProtocolError(explain("roster", "invalid", "must list this site once", "-"))
+        roster = tuple(request.roster)  # distinct ids (checked when the message was built)
+        if self.site not in roster or roster != tuple(sorted(roster)):
+            raise ProtocolError(
+                explain("roster", "invalid", "must be sorted and list this site", "-")
+            )
         try:
-            k = self.params.neighbours_for(len(roster))
+            self.params.neighbours_for(len(roster))
         except ConfigError as err:
             raise AbortRound(str(err)) from err
-        graph = harary_graph(roster, k, graph_seed(self.run_id, self.epoch, roster))
+        k = self._check_floor(len(roster))
+        announced = request.roster_public
+        if len(announced) != len(roster) * ADVERTISED_KEY_BYTES:
+            raise ProtocolError(
+                explain(
+                    "roster_public",
+                    len(announced),
+                    "this site checks the graph against every advertised key (wire version 2)",
+                    "send every roster site's c || s public keys",
+                )
+            )
+        entry = {
+            j: announced[pos * ADVERTISED_KEY_BYTES : (pos + 1) * ADVERTISED_KEY_BYTES]
+            for pos, j in enumerate(roster)
+        }
+        own = self._secret(self._c).public_bytes() + self._secret(self._s).public_bytes()
+        if entry[self.site] != own:
+            raise ProtocolError(
+                explain("roster_public", "own keys", "differ from the keys this site sent", "-")
+            )
+        graph = harary_graph(roster, k, graph_seed(self.run_id, self.epoch, roster, keys=announced))
         if tuple(request.neighbours) != graph[self.site]:
             raise ProtocolError(
                 explain("neighbours", list(request.neighbours), "differ from the graph", "-")
             )
         keys = _split_keys(request.neighbour_c_public, len(request.neighbours), "c_public")
+        if keys != [entry[j][:KEY_BYTES] for j in graph[self.site]]:
+            raise ProtocolError(
+                explain("neighbour_c_public", "mismatch", "differ from the advertised keys", "-")
+            )
+        checked = {
+            j: check_public_key(pk, "neighbour_c_public")
+            for j, pk in zip(graph[self.site], keys, strict=True)
+        }
         self.roster = roster
         self.neighbours = graph[self.site]
-        self._neighbour_c = {
-            j: check_public_key(pk) for j, pk in zip(self.neighbours, keys, strict=True)
-        }
+        self._neighbour_c = checked
         blob = self._encrypt_shares(
             self._secret(self._s).secret_bytes(), self.neighbours, ShareKind.MASK_KEY, 0
         )
@@ -302,13 +414,29 @@ class ClientState:
             raise ProtocolError(
                 explain("neighbour_gens", "revealed key", "a neighbour key was rebuilt", "re-key")
             )
+        stale = sorted(j for j, g in gens.items() if (self.epoch, g) <= self._gen_floor.get(j, _NONE))
+        if stale:
+            # A mask key is used in one round only. Announcing a neighbour at a generation this
+            # site has already seen used (or an older one) is how a lying server would collect
+            # shares of a key whose masked upload it already holds and has unmasked.
+            raise ProtocolError(
+                explain(
+                    "neighbour_gens",
+                    f"sites {stale}",
+                    "re-announced or older key generation (each key masks one round only)",
+                    "an honest server announces every neighbour's newest key; request refused",
+                )
+            )
         if len(nbrs) < self.params.threshold:
             raise AbortRound(
                 explain(
                     "neighbours", len(nbrs), f"fewer than threshold={self.params.threshold}", "-"
                 )
             )
-        pks = _split_keys(request.neighbour_s_public, len(nbrs), "neighbour_s_public")
+        pks = [
+            check_public_key(pk, "neighbour_s_public")
+            for pk in _split_keys(request.neighbour_s_public, len(nbrs), "neighbour_s_public")
+        ]
         values = np.asarray(update, dtype=np.float64).reshape(-1)
         if values.size != request.dim:
             raise ProtocolError(explain("update size", values.size, f"must be {request.dim}", "-"))
@@ -350,6 +478,7 @@ class ClientState:
         self._s, self.gen = nxt, self.gen + 1  # the used key is forgotten here
         self.round = request.round
         self._round_gens = gens
+        self._gen_floor.update({j: (self.epoch, g) for j, g in gens.items()})
         self._revealed_b, self._revealed_s = set(), set()
         self.stage = ClientStage.UPLOADED
         logger.debug(
@@ -410,25 +539,32 @@ class ClientState:
             raise ProtocolError(explain("s_gens", list(request.s_gens), "wrong generations", "-"))
         b_cts = split_blob(request.b_ciphertexts, len(b_ids), "b_ciphertexts")
         s_cts = split_blob(request.s_ciphertexts, len(s_ids), "s_ciphertexts")
-        b_rows = [
-            self._decrypt_share(j, ct, ShareKind.SELF_MASK_SEED, self.round).y
-            for j, ct in zip(b_ids, b_cts, strict=True)
-        ]
-        s_rows = [
-            self._decrypt_share(j, ct, ShareKind.MASK_KEY, self._round_gens[j]).y
-            for j, ct in zip(s_ids, s_cts, strict=True)
-        ]
+        b_pairs = self._open_all(b_ids, b_cts, ShareKind.SELF_MASK_SEED, lambda j: self.round)
+        s_pairs = self._open_all(s_ids, s_cts, ShareKind.MASK_KEY, self._round_gens.__getitem__)
+        # what was asked for counts as revealed, opened or not (the server never gets the
+        # other kind of share for these senders in this round)
         self._revealed_b |= set(b_ids)
         self._revealed_s |= set(s_ids)
         self._revealed_keys |= {(j, self._round_gens[j]) for j in s_ids}
         self.stage = ClientStage.UNMASKED
+        refused = sorted((set(b_ids) | set(s_ids)) - {j for j, _ in b_pairs + s_pairs})
+        if refused:
+            logger.warning(
+                "site %d: unmask round %d: shares relayed from sites %s did not decrypt; "
+                "left out of the response",
+                self.site,
+                self.round,
+                refused,
+            )
         logger.debug(
             "site %d: unmask round %d: %d self-mask shares, %d key shares",
             self.site,
             self.round,
-            len(b_ids),
-            len(s_ids),
+            len(b_pairs),
+            len(s_pairs),
         )
+        b_rows = [y for _, y in b_pairs]
+        s_rows = [y for _, y in s_pairs]
 
         def rows(r: list[NDArray[np.uint32]]) -> NDArray[np.uint32]:
             return np.stack(r) if r else np.empty((0, shamir.NUM_LIMBS), np.uint32)
@@ -437,9 +573,9 @@ class ClientState:
             site=self.site,
             epoch=self.epoch,
             round=self.round,
-            b_owners=b_ids,
+            b_owners=tuple(j for j, _ in b_pairs),
             b_shares=rows(b_rows),
-            s_owners=s_ids,
+            s_owners=tuple(j for j, _ in s_pairs),
             s_shares=rows(s_rows),
         )
 
@@ -449,6 +585,7 @@ class ClientState:
         nbr_c = b"".join(self._neighbour_c[j] for j in self.neighbours)
         gens = np.array([[j, g] for j, g in sorted(self._round_gens.items())], np.int64)
         keys = np.array(sorted(self._revealed_keys), np.int64)
+        floor = np.array([[j, e, g] for j, (e, g) in sorted(self._gen_floor.items())], np.int64)
         return {
             "version": _STATE_VERSION,
             "site": self.site,
@@ -466,14 +603,17 @@ class ClientState:
             "revealed_b": np.array(sorted(self._revealed_b), np.int64),
             "revealed_s": np.array(sorted(self._revealed_s), np.int64),
             "revealed_keys": keys.reshape(-1),
+            "gen_floor": floor.reshape(-1),
         }
 
     def load_state_dict(self, state: MessageDict) -> None:
         """Restore from :meth:`state_dict` (raises ProtocolError on a foreign or bad state)."""
         try:
-            if _int(state, "version") != _STATE_VERSION or _int(state, "site") != self.site:
+            version = _int(state, "version")
+            if version not in (1, _STATE_VERSION) or _int(state, "site") != self.site:
                 raise ProtocolError(explain("state", "site/version", "belongs elsewhere", "-"))
-            self._reset(_bytes(state, "run_id"), _int(state, "epoch"))
+            self.run_id = _bytes(state, "run_id")
+            self._reset(self.run_id, _int(state, "epoch"))
             self.stage = ClientStage(_int(state, "stage"))
             self.round = _int(state, "round")
             self.gen = _int(state, "gen")
@@ -492,6 +632,11 @@ class ClientState:
             self._revealed_s = set(_ids(state["revealed_s"]))
             pairs = _ids(state["revealed_keys"])
             self._revealed_keys = set(zip(pairs[::2], pairs[1::2], strict=True))
+            # version 1 (before the floor existed): start with no memory
+            floor = _ids(state["gen_floor"]) if version >= 2 else ()
+            self._gen_floor = {
+                j: (e, g) for j, e, g in zip(floor[::3], floor[1::3], floor[2::3], strict=True)
+            }
         except (KeyError, TypeError, ValueError) as err:
             raise ProtocolError(
                 explain("state", type(err).__name__, "malformed state", "-")

@@ -7,29 +7,83 @@ Masks and secret shares are exchanged only along edges, so per-site work is ``O(
 instead of ``O(N)``; ``k = N - 1`` is the complete graph of classic SecAgg.
 
 The order is a Fisher-Yates shuffle driven by a ChaCha20 stream keyed by
-``HKDF(run_id, epoch, roster)``, so every party computes the same graph from public data,
-independent of numpy versions.
+``HKDF(run_id, epoch, roster, H(advertised keys))``, so every party computes the same graph
+from public data, independent of numpy versions. The hash of every public key announced in the
+epoch's first setup exchange is mixed in because the server alone picks the run id: with the
+run id as the only randomness, a server could try run ids offline until some victim's
+neighbourhood is made of colluding sites (grinding). The keys are drawn by the sites *after*
+they have received the run id and epoch, so the server can no longer predict or choose the
+graph by itself (see the threat model in ``docs/protocols/secagg.md`` for what remains).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator, Sequence
+from typing import Final
 
 import numpy as np
 
-from fedagg.errors import ConfigError, explain
-from fedagg.secagg.keys import TAG_GRAPH, context, derive_key
+from fedagg.errors import ConfigError, ProtocolError, explain
+from fedagg.secagg.keys import KEY_BYTES, TAG_ADVERTISED_KEYS, TAG_GRAPH, context, derive_key
 from fedagg.secagg.prg import keystream
 
-__all__ = ["graph_seed", "harary_graph", "shuffled"]
+__all__ = [
+    "ADVERTISED_KEY_BYTES",
+    "advertised_keys_digest",
+    "graph_seed",
+    "harary_graph",
+    "shuffled",
+]
+
+ADVERTISED_KEY_BYTES: Final = 2 * KEY_BYTES
+"""One roster entry of the advertised keys: ``c_public || s_public``."""
 
 
-def graph_seed(run_id: bytes, epoch: int, roster: Sequence[int]) -> bytes:
-    """Public 32-byte seed of the graph for ``roster`` in ``epoch`` of run ``run_id``."""
-    ids = np.asarray(sorted(roster), dtype=">u8").tobytes()
+def advertised_keys_digest(roster: Sequence[int], keys: bytes) -> bytes:
+    """SHA-256 of the public keys announced for ``roster`` in one epoch.
+
+    Parameters
+    ----------
+    roster : sequence of int
+        The epoch's roster, sorted ascending.
+    keys : bytes
+        :data:`ADVERTISED_KEY_BYTES` per site, ``c_public || s_public``, in roster order.
+
+    Returns
+    -------
+    bytes
+        ``SHA-256(tag || 0x00 || N || (id || c || s) for each site)`` with 64-bit big-endian
+        ``N`` and ids (an injective encoding).
+    """
+    if len(keys) != len(roster) * ADVERTISED_KEY_BYTES:
+        raise ProtocolError(
+            explain(
+                "roster_public",
+                len(keys),
+                f"must be {len(roster)} x {ADVERTISED_KEY_BYTES} bytes (c || s per roster site)",
+                "resend",
+            )
+        )
+    h = hashlib.sha256(TAG_ADVERTISED_KEYS + b"\x00" + len(roster).to_bytes(8, "big"))
+    for pos, site in enumerate(roster):
+        h.update(int(site).to_bytes(8, "big"))
+        h.update(keys[pos * ADVERTISED_KEY_BYTES : (pos + 1) * ADVERTISED_KEY_BYTES])
+    return h.digest()
+
+
+def graph_seed(run_id: bytes, epoch: int, roster: Sequence[int], *, keys: bytes) -> bytes:
+    """Public 32-byte seed of the graph for ``roster`` in ``epoch`` of run ``run_id``.
+
+    ``keys`` are the epoch's advertised public keys (see :func:`advertised_keys_digest`; the
+    roster is sorted first), so the seed is not the server's choice alone (Bell et al. 2020,
+    section 4, assume a graph the server cannot pick).
+    """
+    ordered = sorted(roster)
+    ids = np.asarray(ordered, dtype=">u8").tobytes()
     ctx = context(run_id=run_id, epoch=epoch, counter=0, first=len(roster), second=0)
-    return derive_key(run_id + b"\x01", TAG_GRAPH, ctx + hashlib.sha256(ids).digest())
+    digest = advertised_keys_digest(ordered, keys)
+    return derive_key(run_id + b"\x01", TAG_GRAPH, ctx + hashlib.sha256(ids).digest() + digest)
 
 
 def _words(seed: bytes) -> Iterator[int]:

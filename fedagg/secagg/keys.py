@@ -36,6 +36,7 @@ __all__ = [
     "CIPHERTEXT_OVERHEAD",
     "KEY_BYTES",
     "NONCE_BYTES",
+    "TAG_ADVERTISED_KEYS",
     "TAG_GRAPH",
     "TAG_PAIRWISE_MASK",
     "TAG_SEED_COMMITMENT",
@@ -50,6 +51,7 @@ __all__ = [
     "decrypt_share",
     "derive_key",
     "encrypt_share",
+    "is_canonical_public_key",
     "pairwise_mask_key",
     "self_mask_key",
 ]
@@ -66,7 +68,8 @@ CIPHERTEXT_OVERHEAD: Final = NONCE_BYTES + _AEAD_TAG_BYTES
 TAG_PAIRWISE_MASK: Final = b"fedagg/secagg/v1/pairwise-mask"
 TAG_SELF_MASK: Final = b"fedagg/secagg/v1/self-mask"
 TAG_SHARE_ENCRYPTION: Final = b"fedagg/secagg/v1/share-encryption"
-TAG_GRAPH: Final = b"fedagg/secagg/v1/neighbour-graph"
+TAG_GRAPH: Final = b"fedagg/secagg/v2/neighbour-graph"
+TAG_ADVERTISED_KEYS: Final = b"fedagg/secagg/v2/advertised-keys"
 TAG_SEED_COMMITMENT: Final = b"fedagg/secagg/v1/seed-commitment"
 _AAD_PREFIX: Final = b"fedagg/secagg/v1/share-aad"
 
@@ -126,9 +129,10 @@ class SecretKey:
         ProtocolError
             If ``peer_public`` is not 32 bytes.
         VerificationError
-            If the shared secret is all zero (a small-order public key).
+            If ``peer_public`` is not canonically encoded, or the shared secret is all zero (a
+            small-order public key).
         """
-        check_public_key(peer_public)
+        _check_key_bytes(peer_public)
         shared = self._shared.get(peer_public)
         if shared is None:
             # Memoised for the life of this object (a site encrypts the self-mask shares and
@@ -150,13 +154,65 @@ class SecretKey:
         raise TypeError("SecretKey cannot be pickled; use secret_bytes() explicitly")
 
 
+_FIELD_PRIME: Final = 2**255 - 19
+# A fixed, public scalar (clamped by X25519 to a multiple of the cofactor 8 with bit 254 set):
+# X25519(scalar, u) is all zero exactly when u has small order on the curve or its twist, so
+# one exchange with it rejects every low-order point (Bernstein, "Curve25519", 2006, section 3;
+# the list in RFC 7748 section 7 and in libsodium's blocklist is a subset).
+_PROBE: Final = X25519PrivateKey.from_private_bytes(
+    hashlib.sha256(b"fedagg/secagg/v1/low-order-probe").digest()
+)
+
+
+def is_canonical_public_key(public: bytes) -> bool:
+    """Whether ``public`` is the unique encoding of its u-coordinate (top bit clear, u < p).
+
+    RFC 7748 section 5 lets a receiver accept non-canonical encodings (it masks the top bit and
+    reduces mod p); fedagg refuses them so that every key has exactly one byte string, which the
+    neighbour-graph seed hashes.
+    """
+    return len(public) == KEY_BYTES and int.from_bytes(public, "little") < _FIELD_PRIME
+
+
 def check_public_key(public: object, field: str = "public_key") -> bytes:
-    """Return ``public`` if it is 32 bytes, else raise :class:`ProtocolError`."""
+    """Return ``public`` if it is a usable X25519 public key, else raise :class:`ProtocolError`.
+
+    Usable means 32 bytes, canonically encoded (:func:`is_canonical_public_key`) and not of
+    small order: a low-order key (RFC 7748 section 7) makes every shared secret with it all zero
+    (or one of eight values), so a site announcing one would knock out the neighbours that use
+    it. The check costs one X25519 with a fixed public scalar. The message only says that the
+    key is invalid (nothing about the key is secret).
+    """
     if not isinstance(public, bytes) or len(public) != KEY_BYTES:
         shown = len(public) if isinstance(public, bytes) else type(public).__name__
         raise ProtocolError(
             explain(field, shown, "must be a 32-byte X25519 public key", "send the raw key")
         )
+    if not is_canonical_public_key(public):
+        raise ProtocolError(
+            explain(field, "non-canonical", "must be a canonical X25519 key (u < 2^255 - 19)",
+                    "send the key as produced by X25519")
+        )
+    try:
+        _PROBE.exchange(X25519PublicKey.from_public_bytes(public))
+    except ValueError:  # all-zero output: a small-order point
+        raise ProtocolError(
+            explain(field, "low order", "must not be a small-order X25519 point",
+                    "generate the key with X25519")
+        ) from None
+    return public
+
+
+def _check_key_bytes(public: object) -> bytes:
+    """Length and encoding check of a peer key before an exchange (the exchange itself
+    detects a small-order key through its all-zero output)."""
+    if not isinstance(public, bytes) or len(public) != KEY_BYTES:
+        shown = len(public) if isinstance(public, bytes) else type(public).__name__
+        raise ProtocolError(
+            explain("public_key", shown, "must be a 32-byte X25519 public key", "send the raw key")
+        )
+    if not is_canonical_public_key(public):
+        raise VerificationError()
     return public
 
 

@@ -26,7 +26,13 @@ from fedagg.errors import ConfigError, explain
 from fedagg.secagg.client import ClientState
 from fedagg.secagg.keys import RandomBytes
 from fedagg.secagg.messages import Message, MessageDict
-from fedagg.secagg.params import SecAggParams
+from fedagg.secagg.params import (
+    DEFAULT_MIN_NEIGHBOURS,
+    DEFAULT_THRESHOLD_FLOOR,
+    SecAggParams,
+    check_site_floor,
+    validate_site_floor,
+)
 from fedagg.secagg.prg import keystream
 from fedagg.secagg.server import RoundResult, ServerState
 
@@ -64,6 +70,9 @@ class LocalFederation:
     threads : int or None
         Worker threads of the server and of each site (``None``: automatic; results do not
         depend on it, see :mod:`fedagg.secagg.threads`).
+    threshold_floor, min_neighbours : float, int
+        Each site's own floors on ``t`` and ``k`` (:class:`~fedagg.secagg.ClientState`);
+        the sites refuse weaker parameters with ``ProtocolError``.
     """
 
     def __init__(
@@ -73,27 +82,40 @@ class LocalFederation:
         *,
         seed: int | None = 0,
         threads: int | None = None,
+        threshold_floor: float = DEFAULT_THRESHOLD_FLOOR,
+        min_neighbours: int = DEFAULT_MIN_NEIGHBOURS,
     ) -> None:
+        validate_site_floor(threshold_floor, min_neighbours)
         self.params = params
         self.seed = seed
         self.num_sites = num_sites
         self.threads = threads
+        self.threshold_floor = threshold_floor
+        self.min_neighbours = min_neighbours
         server_rb = self._random_bytes("server")
         self.server = ServerState(params, run_id=server_rb(16), threads=threads)
         self._rbs = {i: self._random_bytes(f"site-{i}") for i in range(num_sites)}
         self.states: dict[int, MessageDict] = {
-            i: ClientState(i, params, random_bytes=self._rbs[i]).state_dict()
-            for i in range(num_sites)
+            i: self.client(i).state_dict() for i in range(num_sites)
         }
         self._round = 0
 
     def _random_bytes(self, party: str) -> RandomBytes:
         return os.urandom if self.seed is None else deterministic_random_bytes(self.seed, party)
 
-    def _on_site(self, site: int, step: Callable[[ClientState], Message]) -> Any:
-        client = ClientState(
-            site, self.params, random_bytes=self._rbs[site], threads=self.threads
+    def client(self, site: int) -> ClientState:
+        """A fresh ClientState for ``site`` with this federation's settings (not loaded)."""
+        return ClientState(
+            site,
+            self.params,
+            random_bytes=self._rbs[site],
+            threads=self.threads,
+            threshold_floor=self.threshold_floor,
+            min_neighbours=self.min_neighbours,
         )
+
+    def _on_site(self, site: int, step: Callable[[ClientState], Message]) -> Any:
+        client = self.client(site)
         client.load_state_dict(self.states[site])
         reply = step(client)
         self.states[site] = client.state_dict()
@@ -199,6 +221,8 @@ def run_local(
     clip: float | None = None,
     frac_bits: int | None = None,
     threads: int | None = None,
+    threshold_floor: float = DEFAULT_THRESHOLD_FLOOR,
+    min_neighbours: int = DEFAULT_MIN_NEIGHBOURS,
 ) -> NDArray[np.float64]:
     """Run key setup and one secure-aggregation round in process; return the weighted mean.
 
@@ -220,6 +244,9 @@ def run_local(
         entries (convenient in simulation; in deployment the clip range is public config).
     threads : int or None
         Worker threads per party (``None``: automatic); the result does not depend on it.
+    threshold_floor, min_neighbours : float, int
+        The sites' own floors (:class:`~fedagg.secagg.ClientState`): by default every site
+        needs ``t > k / 2`` and ``k >= min(3, N - 1)``; weaker parameters raise ConfigError.
 
     Returns
     -------
@@ -247,8 +274,18 @@ def run_local(
         frac_bits=frac_bits,
         weight_scale=scale,
     )
-    params.neighbours_for(len(arrays))  # explain impossible (threshold, k, N) up front
-    fed = LocalFederation(len(arrays), params, seed=seed, threads=threads)
+    # explain impossible (threshold, k, N) and parameters the sites would refuse, up front
+    check_site_floor(
+        params, len(arrays), threshold_floor=threshold_floor, min_neighbours=min_neighbours
+    )
+    fed = LocalFederation(
+        len(arrays),
+        params,
+        seed=seed,
+        threads=threads,
+        threshold_floor=threshold_floor,
+        min_neighbours=min_neighbours,
+    )
     fed.setup()
     result = fed.run_round(arrays, w, drop_before_upload=before, drop_after_upload=after)
     return result.mean.reshape(arrays[0].shape)

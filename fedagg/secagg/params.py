@@ -14,7 +14,19 @@ from dataclasses import dataclass
 from fedagg.errors import ConfigError, explain
 from fedagg.secagg import fixed_point
 
-__all__ = ["SecAggParams", "default_num_neighbours"]
+__all__ = [
+    "DEFAULT_MIN_NEIGHBOURS",
+    "DEFAULT_THRESHOLD_FLOOR",
+    "SecAggParams",
+    "check_site_floor",
+    "default_num_neighbours",
+    "validate_site_floor",
+]
+
+DEFAULT_THRESHOLD_FLOOR = 0.5
+"""A site's default floor for ``t``: it refuses ``t <= 0.5 k``, i.e. it needs ``t > k / 2``."""
+DEFAULT_MIN_NEIGHBOURS = 3
+"""A site's default minimum graph degree (capped at ``N - 1``, the complete graph)."""
 
 
 def default_num_neighbours(num_sites: int) -> int:
@@ -204,3 +216,88 @@ class SecAggParams:
             )
         )
         return hashlib.sha256(b"fedagg/secagg/v2/params\x00" + text.encode()).digest()
+
+
+def check_site_floor(
+    params: SecAggParams,
+    num_sites: int,
+    *,
+    threshold_floor: float = DEFAULT_THRESHOLD_FLOOR,
+    min_neighbours: int = DEFAULT_MIN_NEIGHBOURS,
+) -> int:
+    """A site's own floor on the parameters a server asks it to use; returns ``k``.
+
+    The server sends the parameters, so a lying server could ask for ``t = 1`` or a graph of
+    degree 2 and then unmask a site's update by telling some neighbours that the site survived
+    (they reveal shares of its self-mask seed) and others that it dropped (they reveal shares
+    of its mask key). Every honest neighbour reveals at most one kind, so the attack needs two
+    disjoint sets of ``t`` neighbours: with ``t > k / 2`` they do not exist (Bonawitz et al.
+    2017, section 4, the same argument for ``t > n / 2``). The same bound defeats re-announced
+    key generations (see :class:`fedagg.secagg.ClientState`).
+
+    Parameters
+    ----------
+    params : SecAggParams
+        The parameters the server asked for.
+    num_sites : int
+        Roster size ``N`` of the epoch (the site computes ``k`` from it itself).
+    threshold_floor : float
+        The site refuses unless ``t > threshold_floor * k``; ``0.5`` (default) is ``t > k/2``.
+        ``0`` accepts any ``t >= 1`` (no protection against a server that lies about who
+        dropped: for tests only).
+    min_neighbours : int
+        The site refuses a graph degree ``k < min(min_neighbours, N - 1)`` (``N - 1`` is the
+        complete graph, the most a roster of ``N`` allows). Default 3.
+
+    Raises
+    ------
+    ConfigError
+        A floor is not met (or ``t > k``); the message names the field, the value, the rule
+        and the fix.
+    """
+    k = params.neighbours_for(num_sites)
+    need_k = min(min_neighbours, num_sites - 1)
+    if k < need_k:
+        raise ConfigError(
+            explain(
+                "secagg.num_neighbours",
+                k,
+                f"this site requires a neighbour graph of degree >= {need_k} for {num_sites} sites",
+                "raise secagg.neighbours (or leave it unset), or lower the site's min_neighbours",
+            )
+        )
+    t = params.threshold
+    if not t > threshold_floor * k:
+        least = math.floor(threshold_floor * k) + 1
+        raise ConfigError(
+            explain(
+                "secagg.threshold",
+                t,
+                f"this site requires t > {threshold_floor:g} x k = {threshold_floor * k:g} "
+                f"(k = {k} neighbours for {num_sites} sites)",
+                f"use threshold >= {least} (a fraction of 0.5 gives t > k/2), "
+                "or lower the site's threshold_floor",
+            )
+        )
+    return k
+
+
+def validate_site_floor(threshold_floor: object, min_neighbours: object) -> None:
+    """ConfigError unless ``0 <= threshold_floor < 1`` and ``min_neighbours`` is an int >= 1."""
+    if (
+        isinstance(threshold_floor, bool)
+        or not isinstance(threshold_floor, (int, float))
+        or not 0 <= threshold_floor < 1
+    ):
+        raise ConfigError(
+            explain(
+                "threshold_floor",
+                threshold_floor,
+                "must be a number in [0, 1) (the site needs t > threshold_floor x k)",
+                "keep the default 0.5",
+            )
+        )
+    if isinstance(min_neighbours, bool) or not isinstance(min_neighbours, int) or min_neighbours < 1:
+        raise ConfigError(
+            explain("min_neighbours", min_neighbours, "must be an int >= 1", "keep the default 3")
+        )

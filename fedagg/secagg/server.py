@@ -6,11 +6,17 @@ Stages::
     READY --begin_round--> COLLECTING --close_uploads--> UNMASKING --finish_round--> READY
 
 ``receive_*`` methods accept one message each and validate it (stage, epoch, round, sender,
-sizes); late, duplicate or foreign messages raise :class:`~fedagg.errors.ProtocolError`. A
-round that cannot complete raises :class:`~fedagg.errors.AbortRound` and returns the server
-to READY with nothing aggregated; the next round can start at once with the sites in
+sizes, public keys) *before* changing any state; late, duplicate, foreign or malformed
+messages raise :class:`~fedagg.errors.ProtocolError`, so the caller drops that one message and
+its sender and goes on (a bad message never aborts the round). A round that cannot complete
+raises :class:`~fedagg.errors.AbortRound` and returns the server to READY with nothing
+aggregated; the next round can start at once with the sites in
 :attr:`ServerState.usable_sites`. Sites that dropped before uploading must re-key (a new
 epoch via :meth:`ServerState.begin_setup`) before they take part again.
+
+Reconstruction tolerates lying share holders: every rebuilt secret is checked against the
+owner's announced public key or seed commitment, and wrong shares are decoded around
+(:func:`fedagg.secagg.shamir.reconstruct_verified`).
 
 Protocol: Bonawitz et al., CCS 2017, section 4; neighbour graph of Bell et al., CCS 2020.
 """
@@ -197,6 +203,7 @@ class ServerState:
         self.stage = ServerStage.IDLE
         self.epoch = 0
         self.last_round = 0
+        self._blamed: set[int] = set()
         self._new_epoch(())
 
     def __repr__(self) -> str:
@@ -207,6 +214,7 @@ class ServerState:
 
     def _new_epoch(self, invited: Ids) -> None:
         self._invited = invited
+        self._refused: dict[int, int] = {}
         self._c_public: dict[int, bytes] = {}
         self._s_public: dict[int, bytes] = {}
         self.roster: Ids = ()
@@ -214,6 +222,23 @@ class ServerState:
         self._keys: dict[int, _MaskKey] = {}
         self._ready: set[int] = set()
         self._stale: set[int] = set()
+
+    @property
+    def graph(self) -> dict[int, Ids]:
+        """The epoch's neighbour graph (site -> sorted neighbours; empty before setup)."""
+        return dict(self._graph)
+
+    @property
+    def blamed_sites(self) -> Ids:
+        """Sites that made a round of this run abort through their own relayed shares.
+
+        A counted site whose self-mask seed (or a dropped site whose mask key) could not be
+        rebuilt because recipients refused its share ciphertexts is named in the AbortRound
+        and kept here; it is also marked as needing a re-key. The protocol cannot tell such a
+        site from one framed by more than ``k - t`` lying neighbours, so leaving it out of
+        later rounds is the caller's policy.
+        """
+        return tuple(sorted(self._blamed))
 
     @property
     def usable_sites(self) -> Ids:
@@ -265,11 +290,20 @@ class ServerState:
         self._check(msg.epoch)
         if msg.site not in self._invited or msg.site in self._c_public:
             raise ProtocolError(explain("site", msg.site, "not invited or duplicate", "drop it"))
-        self._c_public[msg.site] = check_public_key(msg.c_public, "c_public")
-        self._s_public[msg.site] = check_public_key(msg.s_public, "s_public")
+        # both keys are checked before either is kept: a low-order or malformed key drops
+        # only this site from the epoch (its neighbours never see it)
+        c_public = check_public_key(msg.c_public, "c_public")
+        s_public = check_public_key(msg.s_public, "s_public")
+        self._c_public[msg.site] = c_public
+        self._s_public[msg.site] = s_public
 
     def close_advertise(self) -> dict[int, ShareKeysRequest]:
-        """Fix the epoch roster and graph; one ShareKeysRequest per advertised site."""
+        """Fix the epoch roster and graph; one ShareKeysRequest per advertised site.
+
+        The graph seed mixes a hash of every advertised public key into the run id and epoch
+        (:func:`fedagg.secagg.graph.graph_seed`), and each request carries all those keys so
+        that every site can recompute the graph it is told.
+        """
         self._require(ServerStage.ADVERTISING, "close_advertise")
         roster = tuple(sorted(self._c_public))
         try:
@@ -278,7 +312,9 @@ class ServerState:
             self.stage = ServerStage.IDLE
             raise AbortRound(f"setup failed: {err}") from err
         self.roster = roster
-        self._graph = harary_graph(roster, k, graph_seed(self.run_id, self.epoch, roster))
+        announced = b"".join(self._c_public[i] + self._s_public[i] for i in roster)
+        seed = graph_seed(self.run_id, self.epoch, roster, keys=announced)
+        self._graph = harary_graph(roster, k, seed)
         self._keys = {i: _MaskKey(0, self._s_public[i], {}) for i in roster}
         self.stage = ServerStage.SHARING
         return {
@@ -287,6 +323,7 @@ class ServerState:
                 roster=roster,
                 neighbours=self._graph[i],
                 neighbour_c_public=b"".join(self._c_public[j] for j in self._graph[i]),
+                roster_public=announced,
             )
             for i in roster
         }
@@ -481,14 +518,29 @@ class ServerState:
         req = self._requests.get(msg.site)
         if req is None or msg.site in self._responses:
             raise ProtocolError(explain("site", msg.site, "not asked, or duplicate", "drop it"))
-        if (
-            tuple(msg.b_owners) != req.b_senders
-            or tuple(msg.s_owners) != req.s_senders
-            or msg.b_shares.shape[0] != len(req.b_senders)
-            or msg.s_shares.shape[0] != len(req.s_senders)
+        # owners: the requested senders in order, less those whose ciphertext the site refused
+        if not (
+            _subsequence(msg.b_owners, req.b_senders) and _subsequence(msg.s_owners, req.s_senders)
         ):
             raise ProtocolError(explain("shares", msg.site, "do not match the request", "-"))
+        for j in (set(req.b_senders) - set(msg.b_owners)) | (set(req.s_senders) - set(msg.s_owners)):
+            self._refused[j] = self._refused.get(j, 0) + 1
         self._responses[msg.site] = msg
+
+    def _abort_for(self, owners: Sequence[int]) -> None:
+        """Blame the owners whose shares recipients refused, and make them re-key."""
+        blamed = {j for j in owners if self._refused.get(j, 0)}
+        if blamed:
+            logger.warning(
+                "server: round %d: shares of sites %s refused by their recipients",
+                self._round,
+                sorted(blamed),
+            )
+        self._blamed |= blamed
+        self._stale |= blamed
+        if self._total is not None:
+            self._total.cancel()
+            self._total = None
 
     def abort_round(self) -> None:
         """Abandon the open round (e.g. on a timeout at the edge); nothing is aggregated."""
@@ -502,13 +554,27 @@ class ServerState:
             self._total = None
 
     def finish_round(self) -> RoundResult:
-        """Reconstruct the needed secrets, unmask the sum and decode the weighted mean."""
+        """Reconstruct the needed secrets, unmask the sum and decode the weighted mean.
+
+        Each secret needs ``threshold`` shares; wrong shares among them are decoded around
+        and every rebuilt secret is checked (seed against its commitment, mask key against the
+        announced public key), so one bad share never aborts a round with ``t`` good ones.
+
+        Raises
+        ------
+        AbortRound
+            Fewer than ``threshold`` shares arrived for a needed secret (owners whose
+            ciphertexts were refused by recipients are added to :attr:`blamed_sites`).
+        VerificationError
+            No candidate secret verified (opaque; the owner is added to
+            :attr:`blamed_sites`).
+        """
         self._require(ServerStage.UNMASKING, "finish_round")
         self.stage = ServerStage.READY  # whatever happens below, the round is over
         t = self.params.threshold
         b_shares: dict[int, list[shamir.Share]] = {}
         s_shares: dict[int, list[shamir.Share]] = {}
-        for r, msg in self._responses.items():
+        for r, msg in self._responses.items():  # rows were checked (< p) when the reply came
             for owner, row in zip(msg.b_owners, msg.b_shares, strict=True):
                 b_shares.setdefault(owner, []).append(shamir.Share(r + 1, row))
             for owner, row in zip(msg.s_owners, msg.s_shares, strict=True):
@@ -518,27 +584,48 @@ class ServerState:
         short = [i for i in counted if len(b_shares.get(i, ())) < t]
         short += [j for j in need_s if len(s_shares.get(j, ())) < t]
         if short:
+            self._abort_for(short)
             raise AbortRound(
                 f"round {self._round} aborted: fewer than threshold={t} shares for sites {short}"
             )
+        run_id, epoch, rnd = self.run_id, self.epoch, self._round
+        seeds: dict[int, bytes] = {}
+        secrets: dict[int, SecretKey] = {}
+        owner = -1
+        try:
+            for owner in counted:
+
+                def opens(seed: bytes, i: int = owner) -> bool:
+                    commitment = commit_seed(
+                        seed, run_id=run_id, epoch=epoch, round_number=rnd, site=i
+                    )
+                    return commitment == self._commitments[i]
+
+                seeds[owner] = shamir.reconstruct_verified(b_shares[owner], t, opens)
+            for owner in need_s:
+
+                def matches(raw: bytes, j: int = owner) -> bool:
+                    return SecretKey(raw).public_bytes() == self._used[j][1]
+
+                raw = shamir.reconstruct_verified(s_shares[owner], t, matches)
+                secrets[owner] = SecretKey(raw)
+        except VerificationError:
+            # no candidate opened the commitment / matched the public key: the owner shared
+            # inconsistent shares, or more holders lied than decoding can get around
+            self._refused[owner] = self._refused.get(owner, 0) + 1
+            self._abort_for([owner])
+            raise
         acc = self._total
         assert acc is not None  # close_uploads refuses a round without uploads
         self._total = None
         total = acc.result()
-        run_id, epoch, rnd = self.run_id, self.epoch, self._round
-        self_keys = []
-        for i in counted:
-            seed = shamir.reconstruct(b_shares[i], t)
-            commitment = commit_seed(seed, run_id=run_id, epoch=epoch, round_number=rnd, site=i)
-            if commitment != self._commitments[i]:
-                raise VerificationError()
-            key = self_mask_key(seed, run_id=run_id, epoch=epoch, round_number=rnd, site=i)
-            self_keys.append((-1, key))
+        self_keys = [
+            (-1, self_mask_key(seeds[i], run_id=run_id, epoch=epoch, round_number=rnd, site=i))
+            for i in counted
+        ]
         add_masks(total, self_keys, threads=self.threads)
         for j in need_s:
-            secret = SecretKey(shamir.reconstruct(s_shares[j], t))
-            if secret.public_bytes() != self._used[j][1]:
-                raise VerificationError()
+            secret = secrets[j]
             pair_keys = [
                 (
                     -pairwise_sign(i, j),
@@ -569,3 +656,9 @@ class ServerState:
             error_bound=bound,
             ring_bits=self._ring_bits,
         )
+
+
+def _subsequence(got: Sequence[int], asked: Sequence[int]) -> bool:
+    """Whether ``got`` is ``asked`` with some entries left out (same order)."""
+    rest = iter(asked)
+    return all(any(g == a for a in rest) for g in got)

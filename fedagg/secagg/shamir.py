@@ -9,11 +9,20 @@ Python-object arrays. Share ``x`` coordinates are ``site id + 1``.
 Reconstruction (Lagrange interpolation at 0) checks that every limb is in range; a wrong or
 tampered share set fails that check with probability ``1 - 2^-23`` and raises an opaque
 :class:`~fedagg.errors.VerificationError`.
+
+:func:`reconstruct_verified` is the robust version the server uses: holders of shares may lie,
+so every candidate secret is checked by the caller (against a public key or a commitment), and
+when the ``t`` lowest shares fail it decodes the Reed-Solomon code the shares form (Shamir
+shares are a Reed-Solomon codeword; McEliece and Sarwate, "On sharing secrets and Reed-Solomon
+codes", CACM 1981) with the Berlekamp-Welch algorithm (US patent 4,633,470, 1986; up to
+``(n - t) / 2`` wrong shares), then tries other ``t``-subsets, so one bad share never stops a
+reconstruction that has ``t`` good ones.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Sequence
 from typing import Final
 
 import numpy as np
@@ -34,6 +43,7 @@ __all__ = [
     "limbs_to_secret",
     "random_field_elements",
     "reconstruct",
+    "reconstruct_verified",
     "secret_to_limbs",
     "split",
 ]
@@ -202,11 +212,178 @@ def reconstruct(shares: Sequence[Share], threshold: int) -> bytes:
             explain("shares", len(shares), f"need at least threshold={threshold}", "wait for more")
         )
     chosen = sorted(shares, key=lambda s: s.x)[:threshold]
+    _check_points([s.x for s in chosen], threshold)
+    return _interpolate(chosen)
+
+
+MAX_SUBSETS: Final = 4096
+"""Default bound on the ``t``-subsets :func:`reconstruct_verified` tries after decoding fails."""
+
+
+def _interpolate(chosen: Sequence[Share]) -> bytes:
+    """Secret from exactly ``len(chosen)`` shares (VerificationError if it is not valid)."""
     xs = [s.x for s in chosen]
-    _check_points(xs, threshold)
     p = np.uint64(PRIME)
     lam = np.array(lagrange_at_zero(xs), np.uint64)[:, None]
     ys = np.stack([s.y for s in chosen]).astype(np.uint64)
     # each product < 2^62, reduced before the sum: t terms < 2^31 sum without overflow
     acc = ((lam * ys) % p).sum(axis=0, dtype=np.uint64) % p
     return limbs_to_secret(acc)
+
+
+def _solve_mod_p(rows: list[list[int]], unknowns: int) -> list[int] | None:
+    """One solution of the augmented system ``rows`` over GF(p) (free unknowns = 0), or None."""
+    pivots: list[int] = []
+    r = 0
+    for col in range(unknowns):
+        pivot = next((i for i in range(r, len(rows)) if rows[i][col]), None)
+        if pivot is None:
+            continue
+        rows[r], rows[pivot] = rows[pivot], rows[r]
+        inv = pow(rows[r][col], -1, PRIME)
+        rows[r] = [v * inv % PRIME for v in rows[r]]
+        for i in range(len(rows)):
+            if i != r and rows[i][col]:
+                f = rows[i][col]
+                rows[i] = [(a - f * b) % PRIME for a, b in zip(rows[i], rows[r], strict=True)]
+        pivots.append(col)
+        r += 1
+    if any(row[unknowns] for row in rows[r:]):  # 0 = nonzero: inconsistent
+        return None
+    solution = [0] * unknowns
+    for i, col in enumerate(pivots):
+        solution[col] = rows[i][unknowns]
+    return solution
+
+
+def _poly_divide(num: list[int], den: list[int]) -> tuple[list[int], bool]:
+    """``num / den`` over GF(p) (coefficients low first; ``den`` monic): quotient, exact?"""
+    rem = list(num)
+    quotient = [0] * max(len(num) - len(den) + 1, 1)
+    for shift in range(len(num) - len(den), -1, -1):
+        coef = rem[shift + len(den) - 1]
+        quotient[shift] = coef
+        if coef:
+            for i, d in enumerate(den):
+                rem[shift + i] = (rem[shift + i] - coef * d) % PRIME
+    return quotient, not any(rem)
+
+
+def _berlekamp_welch(xs: Sequence[int], ys: Sequence[int], threshold: int) -> list[int] | None:
+    """Coefficients of the degree ``< threshold`` polynomial through all but at most
+    ``e = (n - threshold) // 2`` of the points, or None (Berlekamp-Welch)."""
+    n = len(xs)
+    e = (n - threshold) // 2
+    if e < 1:
+        return None
+    nq = e + threshold  # Q has degree < e + t; E is monic of degree e
+    rows = []
+    for x, y in zip(xs, ys, strict=True):
+        powers = [1]
+        for _ in range(nq):
+            powers.append(powers[-1] * x % PRIME)
+        rows.append(
+            powers[:nq] + [(-y * powers[j]) % PRIME for j in range(e)] + [y * powers[e] % PRIME]
+        )
+    solution = _solve_mod_p(rows, nq + e)
+    if solution is None:
+        return None
+    quotient, exact = _poly_divide(solution[:nq], [*solution[nq:], 1])
+    if not exact or any(quotient[threshold:]):
+        return None
+    return (quotient + [0] * threshold)[:threshold]
+
+
+def _decode(shares: Sequence[Share], threshold: int) -> bytes | None:
+    """Secret by Berlekamp-Welch, limb by limb (None when the shares cannot be decoded)."""
+    xs = [s.x for s in shares]
+    limbs = []
+    for k in range(NUM_LIMBS):
+        coefficients = _berlekamp_welch(xs, [int(s.y[k]) for s in shares], threshold)
+        if coefficients is None:
+            return None
+        limbs.append(coefficients[0])
+    try:
+        return limbs_to_secret(np.array(limbs, np.uint64))
+    except VerificationError:
+        return None
+
+
+def reconstruct_verified(
+    shares: Sequence[Share],
+    threshold: int,
+    verify: Callable[[bytes], bool],
+    *,
+    max_subsets: int = MAX_SUBSETS,
+) -> bytes:
+    """Recover a secret from shares some of which may be wrong, checking every candidate.
+
+    Parameters
+    ----------
+    shares : sequence of Share
+        At least ``threshold`` shares with distinct ``x`` (some may be wrong).
+    threshold : int
+        ``t``.
+    verify : callable
+        ``verify(secret) -> bool``: whether a candidate is the real secret (for a mask key:
+        its public key is the announced one; for a self-mask seed: it opens the commitment).
+    max_subsets : int
+        Bound on the further ``t``-subsets tried when decoding fails (each costs one
+        interpolation and one ``verify``).
+
+    Returns
+    -------
+    bytes
+        The secret (it passed ``verify``).
+
+    Raises
+    ------
+    ProtocolError
+        Fewer than ``threshold`` shares, or duplicate points.
+    VerificationError
+        No candidate passed ``verify``: fewer than ``t`` good shares (or more wrong ones than
+        decoding and the bounded search can get around). The message says nothing more.
+
+    Notes
+    -----
+    Order of attempts: the ``t`` lowest-``x`` shares (the honest case costs one
+    interpolation); Berlekamp-Welch decoding of all ``n`` shares, which corrects up to
+    ``(n - t) / 2`` wrong ones; then other ``t``-subsets, leaving out 1, 2, ... of the
+    lowest ``t + 1``, ``t + 2``, ... shares, which finds the secret whenever ``t`` shares are
+    good and the bound allows: ``e`` wrong shares cost at most
+    ``sum_{s <= e} C(t + s, s)`` tries (``t + 1`` for one, as with ``n = t + 1``).
+    """
+    if threshold < 1 or len(shares) < threshold:
+        raise ProtocolError(
+            explain("shares", len(shares), f"need at least threshold={threshold}", "wait for more")
+        )
+    ordered = sorted(shares, key=lambda s: s.x)
+    _check_points([s.x for s in ordered], len(ordered))
+
+    def attempt(subset: Sequence[Share]) -> bytes | None:
+        try:
+            secret = _interpolate(subset)
+        except VerificationError:
+            return None
+        return secret if verify(secret) else None
+
+    secret = attempt(ordered[:threshold])
+    if secret is not None:
+        return secret
+    decoded = _decode(ordered, threshold)
+    if decoded is not None and verify(decoded):
+        return decoded
+    tried = 0
+    for size in range(1, len(ordered) - threshold + 1):
+        # leave out `size` of the first t + size shares: distinct bases, fewest exclusions first
+        window = range(threshold + size)
+        for excluded in itertools.combinations(window, size):
+            if tried >= max_subsets:
+                raise VerificationError()
+            tried += 1
+            skip = set(excluded)
+            basis = [ordered[i] for i in window if i not in skip]
+            secret = attempt(basis)
+            if secret is not None:
+                return secret
+    raise VerificationError()

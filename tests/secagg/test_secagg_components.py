@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import struct
+
 import numpy as np
 import pytest
 
 from fedagg.errors import AbortRound, ConfigError, ProtocolError, UpdateRejected
 from fedagg.secagg import SecAggParams, default_num_neighbours
 from fedagg.secagg import fixed_point as fp
-from fedagg.secagg.graph import graph_seed, harary_graph, shuffled
+from fedagg.secagg.graph import advertised_keys_digest, graph_seed, harary_graph, shuffled
 from fedagg.secagg.messages import (
     KeyAdvertise,
     MaskedUpload,
@@ -114,19 +118,40 @@ def test_digest_tracks_shared_fields_only() -> None:
 @pytest.mark.parametrize("n, k", [(2, 1), (5, 2), (8, 3), (8, 4), (9, 8), (20, 7 + 1), (31, 10)])
 def test_graph_is_k_regular_and_symmetric(n: int, k: int) -> None:
     roster = list(range(100, 100 + n))
-    g = harary_graph(roster, k, graph_seed(b"r", 1, roster))
+    g = harary_graph(roster, k, graph_seed(b"r", 1, roster, keys=bytes(64 * n)))
     assert set(g) == set(roster)
     for v, nbrs in g.items():
         assert len(nbrs) == k and v not in nbrs
         assert all(v in g[u] for u in nbrs)
 
 
+GOLDEN_KEYS = b"".join(bytes([i]) * 64 for i in range(8))  # site i announces c = s = i * 32
+
+
+def test_graph_seed_golden_vector_recomputed_by_hand() -> None:
+    """The v2 seed: HKDF-SHA256(run_id || 0x01, info = tag || 0 || ctx || H(ids) || H(keys))."""
+    roster = list(range(8))
+    seed = graph_seed(b"golden-run", 1, roster, keys=GOLDEN_KEYS)
+    assert seed.hex() == "701a667960d10386666deb9bf484a7f9184fb01962b8c7c7bb3567535274ddb2"
+    keys_h = hashlib.sha256(b"fedagg/secagg/v2/advertised-keys\x00" + (8).to_bytes(8, "big"))
+    for i in roster:
+        keys_h.update(i.to_bytes(8, "big") + bytes([i]) * 64)
+    assert advertised_keys_digest(roster, GOLDEN_KEYS) == keys_h.digest()
+    ids_h = hashlib.sha256(b"".join(i.to_bytes(8, "big") for i in roster)).digest()
+    ctx = struct.pack(">H", 10) + b"golden-run" + struct.pack(">BQQQQ", 0, 1, 0, 8, 0)
+    info = b"fedagg/secagg/v2/neighbour-graph\x00" + ctx + ids_h + keys_h.digest()
+    prk = hmac.new(bytes(32), b"golden-run\x01", hashlib.sha256).digest()
+    assert seed == hmac.new(prk, info + b"\x01", hashlib.sha256).digest()
+
+
 def test_graph_golden_and_deterministic() -> None:
     roster = list(range(8))
-    g = harary_graph(roster, 4, graph_seed(b"golden-run", 1, roster))
-    assert g[0] == (2, 3, 5, 6) and g[3] == (0, 1, 5, 7)
-    assert harary_graph(roster, 4, graph_seed(b"golden-run", 2, roster)) != g
+    g = harary_graph(roster, 4, graph_seed(b"golden-run", 1, roster, keys=GOLDEN_KEYS))
+    assert g[0] == (4, 5, 6, 7) and g[3] == (1, 2, 4, 7)
+    assert harary_graph(roster, 4, graph_seed(b"golden-run", 2, roster, keys=GOLDEN_KEYS)) != g
     assert shuffled(list(range(50)), b"\x00" * 32) == shuffled(list(range(50)), b"\x00" * 32)
+    with pytest.raises(ProtocolError, match="roster_public"):
+        graph_seed(b"golden-run", 1, roster, keys=GOLDEN_KEYS[:-1])
 
 
 def test_graph_rejects_impossible_degree() -> None:

@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 from fedagg.errors import AbortRound, ConfigError, ProtocolError
 from fedagg.secagg import LocalFederation, SecAggParams, run_local
-from fedagg.secagg.graph import graph_seed, harary_graph
 
 
 def weighted_mean(updates: list[np.ndarray], weights: list[float], sites: list[int]) -> np.ndarray:
@@ -69,10 +68,11 @@ def test_secure_mean_matches_plaintext_or_aborts_as_predicted(sc: dict) -> None:
     updates = [rng.uniform(-1, 1, size=dim) for _ in range(n)]
     weights = [float(w) for w in rng.integers(1, 50, size=n)]
     params = SecAggParams(threshold=t, num_neighbours=sc["k"], clip=1.0, weight_scale=max(weights))
-    fed = LocalFederation(n, params, seed=seed)
+    # the arithmetic oracle covers every (t, k), also those a site refuses by default
+    fed = LocalFederation(n, params, seed=seed, threshold_floor=0.0, min_neighbours=1)
     fed.setup()
-    roster = tuple(range(n))
-    graph = harary_graph(roster, params.neighbours_for(n), graph_seed(fed.server.run_id, 1, roster))
+    graph = fed.server.graph
+    assert sorted(graph) == list(range(n))
     predicted_abort = expect_abort(graph, t, sc["before"], sc["after"])
     try:
         result = fed.run_round(
@@ -101,7 +101,8 @@ def test_run_local_defaults_reach_1e6(n: int) -> None:
     rng = np.random.default_rng(n)
     updates = [rng.normal(scale=0.5, size=(7, 3)) for _ in range(n)]
     weights = [float(w) for w in rng.integers(10, 100, size=n)]
-    out = run_local(updates, weights, threshold=max(1, n // 3))
+    t = SecAggParams(threshold=1).neighbours_for(n) // 2 + 1  # the least t > k/2
+    out = run_local(updates, weights, threshold=t)
     ref = weighted_mean(updates, weights, list(range(n)))
     assert out.shape == (7, 3) and out.dtype == np.float64
     assert float(np.abs(out - ref).max()) < 1e-6
@@ -111,7 +112,7 @@ def test_run_local_dropouts_at_both_stages() -> None:
     rng = np.random.default_rng(7)
     updates = [rng.normal(size=5) for _ in range(12)]
     weights = [float(w) for w in rng.integers(1, 9, size=12)]
-    out = run_local(updates, weights, threshold=4, drop_before_upload=[2, 9], drop_after_upload={5})
+    out = run_local(updates, weights, threshold=6, drop_before_upload=[2, 9], drop_after_upload={5})
     counted = [i for i in range(12) if i not in (2, 9)]  # 5 dropped after upload: counted
     assert float(np.abs(out - weighted_mean(updates, weights, counted)).max()) < 1e-6
 
@@ -119,12 +120,12 @@ def test_run_local_dropouts_at_both_stages() -> None:
 def test_run_local_is_deterministic_for_a_seed() -> None:
     rng = np.random.default_rng(3)
     updates = [rng.normal(size=50) for _ in range(6)]
-    a = run_local(updates, [1.0] * 6, threshold=2, seed=5)
-    b = run_local(updates, [1.0] * 6, threshold=2, seed=5)
-    c = run_local(updates, [1.0] * 6, threshold=2, seed=6)
+    a = run_local(updates, [1.0] * 6, threshold=3, seed=5)
+    b = run_local(updates, [1.0] * 6, threshold=3, seed=5)
+    c = run_local(updates, [1.0] * 6, threshold=3, seed=6)
     assert np.array_equal(a, b)
     assert not np.array_equal(a, c)  # stochastic rounding differs (within the bound)
-    assert run_local(updates, [1.0] * 6, threshold=2, seed=None).shape == (50,)
+    assert run_local(updates, [1.0] * 6, threshold=3, seed=None).shape == (50,)
 
 
 def test_run_local_aborts_with_protocol_error() -> None:
@@ -137,7 +138,7 @@ def test_run_local_aborts_with_protocol_error() -> None:
 
 def test_run_local_zero_total_weight_aborts() -> None:
     with pytest.raises(AbortRound):
-        run_local([np.ones(2)] * 3, [0.0, 0.0, 0.0], threshold=1)
+        run_local([np.ones(2)] * 3, [0.0, 0.0, 0.0], threshold=2)
 
 
 @pytest.mark.parametrize(

@@ -146,10 +146,10 @@ def test_logs_and_reprs_hold_no_secret_material(
     rng = np.random.default_rng(0)
     updates = [rng.normal(size=8) for _ in range(7)]
     with caplog.at_level(logging.DEBUG, logger="fedagg"):
-        f = LocalFederation(7, SecAggParams(threshold=3, weight_scale=5.0), seed=1)
+        f = LocalFederation(7, SecAggParams(threshold=4, weight_scale=5.0), seed=1)
         f.setup()
         res = f.run_round(updates, [1.0] * 7, drop_before_upload=[1], drop_after_upload=[4])
-        run_local(updates, [1.0] * 7, threshold=3, drop_before_upload=[2])
+        run_local(updates, [1.0] * 7, threshold=4, drop_before_upload=[2])
     assert caplog.records, "the protocol should log its stages at DEBUG"
     text = "\n".join(r.getMessage() for r in caplog.records)
     clients = []
@@ -169,7 +169,7 @@ def test_logs_and_reprs_hold_no_secret_material(
 
 
 def test_message_reprs_hide_shares_and_ciphertexts() -> None:
-    f = LocalFederation(3, SecAggParams(threshold=1), seed=0)
+    f = LocalFederation(3, SecAggParams(threshold=2), seed=0)
     f.setup()
     server = f.server
     req = server.begin_round(1, [0, 1, 2], 3)[0]

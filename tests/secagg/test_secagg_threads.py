@@ -70,7 +70,7 @@ def test_threaded_add_masks_equals_the_one_shot_masks(
 
 
 def _round(threads: int, dim: int, *, before: set[int], after: set[int]) -> np.ndarray:
-    params = SecAggParams(threshold=3, num_neighbours=6, clip=1.0, weight_scale=10.0)
+    params = SecAggParams(threshold=4, num_neighbours=6, clip=1.0, weight_scale=10.0)
     fed = LocalFederation(7, params, seed=5, threads=threads)
     fed.setup()
     rng = np.random.default_rng(1)
