@@ -189,28 +189,73 @@ def _env(home: Path) -> dict[str, str]:
             "PYTHONUNBUFFERED": "1"}
 
 
-def _wait_for_tls(port: int, cafile: Path, proc: subprocess.Popen[bytes], timeout: float) -> None:
+def _wait_for_tls(port: int, cafile: Path, proc: subprocess.Popen[bytes], timeout: float, *,
+                  host: str = "127.0.0.1", name: str = "flower-superlink") -> None:
     ctx = ssl.create_default_context(cafile=str(cafile))
     deadline = time.time() + timeout
     while time.time() < deadline:
-        assert proc.poll() is None, "flower-superlink exited during start-up"
+        assert proc.poll() is None, f"{name} exited during start-up"
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=2) as raw, \
-                    ctx.wrap_socket(raw, server_hostname="127.0.0.1"):
+            with socket.create_connection((host, port), timeout=2) as raw, \
+                    ctx.wrap_socket(raw, server_hostname=host):
                 return
         except OSError:
             time.sleep(0.5)
-    raise AssertionError(f"flower-superlink not reachable over TLS on port {port} in {timeout} s")
+    raise AssertionError(f"{name} not reachable over TLS on {host}:{port} in {timeout} s")
 
 
 def _supernode_args(fed_certs: Path, site: str, port: int, partition: int, *, ca: Path | None = None,
-                    extra: tuple[str, ...] = ()) -> list[str]:
-    return [str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{port}",
+                    extra: tuple[str, ...] = (), host: str = "127.0.0.1",
+                    num_partitions: int = len(SITES)) -> list[str]:
+    """``flower-supernode`` for ``site``, dialing ``host:port`` (the SuperLink, or a proxy)."""
+    return [str(BIN / "flower-supernode"), "--superlink", f"{host}:{port}",
             "--root-certificates", str(ca or fed_certs / "sites" / site / "ca.crt"),
             "--auth-supernode-private-key", str(fed_certs / "sites" / site / "auth.key"),
             "--port", str(free_port()),
-            "--node-config", f"partition-id={partition} num-partitions={len(SITES)} "
+            "--node-config", f"partition-id={partition} num-partitions={num_partitions} "
                              f"site-name='{site}'", *extra]
+
+
+def _superlink_args(certs: Path, port: int) -> list[str]:
+    """``flower-superlink`` with TLS and SuperNode authentication on ``127.0.0.1:port``."""
+    sl = certs / "superlink"
+    return [str(BIN / "flower-superlink"), "--ssl-certfile", str(sl / "server.crt"),
+            "--ssl-keyfile", str(sl / "server.key"), "--ssl-ca-certfile", str(sl / "ca.crt"),
+            "--enable-supernode-auth", "--host", "127.0.0.1", "--port", str(port),
+            "--disable-runtime-dependency-installation"]
+
+
+def _write_connection(home: Path, name: str, address: str, ca: Path) -> None:
+    """``$FLWR_HOME/config.toml`` with one default connection ``name`` -> ``address``."""
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "{name}"\n\n[superlink.{name}]\n'
+        f'address = "{address}"\nroot-certificates = "{ca}"\n')
+
+
+def _register_sites(fed: Federation, sites: list[str]) -> set[str]:
+    """``flwr supernode register`` each site's public key; their node ids."""
+    registered = set()
+    for site in sites:
+        res = fed.flwr("supernode", "register", str(fed.certs / "sites" / site / "auth.pub"),
+                       "fedagg", "--name", site, "--format", "json")
+        assert res.returncode == 0, res.stdout + res.stderr
+        registered.add(str(json.loads(res.stdout)["node-id"]))
+    return registered
+
+
+def _wait_online(fed: Federation, registered: set[str], timeout: float = 180) -> None:
+    """Wait until exactly the ``registered`` node ids are online (``flwr supernode list``)."""
+    # The ServerApp samples the sites connected when a round starts: wait for all of them.
+    deadline = time.time() + timeout
+    online: set[str] = set()
+    while time.time() < deadline and online != registered:
+        res = fed.flwr("supernode", "list", "fedagg", "--format", "json")
+        if res.returncode == 0:
+            online = {str(n["node-id"]) for n in json.loads(res.stdout)["nodes"]
+                      if n["status"] == "online"}
+        if online != registered:
+            time.sleep(2)
+    assert online == registered, (online, registered, fed.procs.log(next(iter(fed.nodes), "")))
 
 
 @pytest.fixture(scope="module")
@@ -227,37 +272,16 @@ def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Federation]
         port = free_port()
         home = tmp / "operator-home"
         env = _env(home)
-        (home / "config.toml").write_text(
-            '[superlink]\ndefault = "fedagg"\n\n[superlink.fedagg]\n'
-            f'address = "127.0.0.1:{port}"\nroot-certificates = "{certs / "ca" / "ca.crt"}"\n')
-        sl = certs / "superlink"
-        superlink = procs.start("superlink", [
-            str(BIN / "flower-superlink"), "--ssl-certfile", str(sl / "server.crt"),
-            "--ssl-keyfile", str(sl / "server.key"), "--ssl-ca-certfile", str(sl / "ca.crt"),
-            "--enable-supernode-auth", "--host", "127.0.0.1", "--port", str(port),
-            "--disable-runtime-dependency-installation"], _env(tmp / "superlink-home"))
+        _write_connection(home, "fedagg", f"127.0.0.1:{port}", certs / "ca" / "ca.crt")
+        superlink = procs.start("superlink", _superlink_args(certs, port),
+                                _env(tmp / "superlink-home"))
         _wait_for_tls(port, certs / "ca" / "ca.crt", superlink, timeout=120)
         fed = Federation(tmp, certs, port, home, env, procs, {})
-        registered = set()
-        for site in SITES:
-            res = fed.flwr("supernode", "register", str(certs / "sites" / site / "auth.pub"),
-                           "fedagg", "--name", site, "--format", "json")
-            assert res.returncode == 0, res.stdout + res.stderr
-            registered.add(str(json.loads(res.stdout)["node-id"]))
+        registered = _register_sites(fed, SITES)
         for i, site in enumerate(SITES):
             fed.nodes[site] = procs.start(site, _supernode_args(certs, site, port, i),
                                           _env(tmp / f"{site}-home"))
-        # The ServerApp samples the sites connected when a round starts: wait for all of them.
-        deadline = time.time() + 180
-        online: set[str] = set()
-        while time.time() < deadline and online != registered:
-            res = fed.flwr("supernode", "list", "fedagg", "--format", "json")
-            if res.returncode == 0:
-                online = {str(n["node-id"]) for n in json.loads(res.stdout)["nodes"]
-                          if n["status"] == "online"}
-            if online != registered:
-                time.sleep(2)
-        assert online == registered, (online, registered, procs.log(SITES[0]))
+        _wait_online(fed, registered)
         yield fed
     finally:
         procs.stop_all()
