@@ -284,8 +284,14 @@ class ServerState:
             run_id=self.run_id, epoch=self.epoch, roster=invited, params_digest=self.params.digest()
         )
 
-    def receive_advertise(self, msg: KeyAdvertise) -> None:
-        """Accept one site's public keys."""
+    def receive_advertise(self, msg: KeyAdvertise, *, sender: int | None = None) -> None:
+        """Accept one site's public keys.
+
+        Every ``receive_*`` method takes an optional ``sender``: the site index the transport
+        authenticated for this reply (e.g. from the Flower node id). When given, a message
+        whose ``site`` differs is refused, so one site cannot answer in another's name.
+        """
+        _check_sender(msg.site, sender)
         self._require(ServerStage.ADVERTISING, "advertise")
         self._check(msg.epoch)
         if msg.site not in self._invited or msg.site in self._c_public:
@@ -328,8 +334,9 @@ class ServerState:
             for i in roster
         }
 
-    def receive_share_keys(self, msg: ShareKeys) -> None:
-        """Accept one site's encrypted key shares."""
+    def receive_share_keys(self, msg: ShareKeys, *, sender: int | None = None) -> None:
+        """Accept one site's encrypted key shares (``sender``: see :meth:`receive_advertise`)."""
+        _check_sender(msg.site, sender)
         self._require(ServerStage.SHARING, "share_keys")
         self._check(msg.epoch)
         if msg.site not in self._graph or msg.site in self._ready or msg.gen != 0:
@@ -424,8 +431,10 @@ class ServerState:
             for i in part
         }
 
-    def receive_upload(self, msg: MaskedUpload) -> None:
-        """Accept one masked upload (late or duplicate uploads are refused)."""
+    def receive_upload(self, msg: MaskedUpload, *, sender: int | None = None) -> None:
+        """Accept one masked upload (late or duplicate uploads are refused; ``sender``: see
+        :meth:`receive_advertise`)."""
+        _check_sender(msg.site, sender)
         self._require(ServerStage.COLLECTING, "upload")
         self._check(msg.epoch, msg.round)
         i = msg.site
@@ -511,8 +520,13 @@ class ServerState:
         )
         return requests
 
-    def receive_unmask(self, msg: UnmaskResponse) -> None:
-        """Accept one site's revealed shares."""
+    def receive_unmask(self, msg: UnmaskResponse, *, sender: int | None = None) -> None:
+        """Accept one site's revealed shares (``sender``: see :meth:`receive_advertise`).
+
+        The owners must be the requested senders in order; some may be left out (the site
+        could not decrypt their ciphertexts).
+        """
+        _check_sender(msg.site, sender)
         self._require(ServerStage.UNMASKING, "unmask")
         self._check(msg.epoch, msg.round)
         req = self._requests.get(msg.site)
@@ -662,3 +676,10 @@ def _subsequence(got: Sequence[int], asked: Sequence[int]) -> bool:
     """Whether ``got`` is ``asked`` with some entries left out (same order)."""
     rest = iter(asked)
     return all(any(g == a for a in rest) for g in got)
+
+
+def _check_sender(site: int, sender: int | None) -> None:
+    if sender is not None and sender != site:
+        raise ProtocolError(
+            explain("site", site, f"the reply came from site {sender}", "drop the reply")
+        )
