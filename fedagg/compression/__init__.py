@@ -13,7 +13,10 @@ Server side::
     update = codec.decode(data).to_dense()      # list of float32 arrays
 
 Or from a spec: ``build_compressor("topk:0.01+ef+int8")``. Supports shared by all sites
-(for secure aggregation, no index bytes) live in :mod:`fedagg.compression.support`.
+(for secure aggregation, no index bytes) live in :mod:`fedagg.compression.support`; the
+secure sparse modes that train closer to dense in :mod:`~fedagg.compression.sketch` /
+:mod:`~fedagg.compression.fetchsgd` (FetchSGD count sketches), :mod:`~fedagg.compression.vote`
+(secure index voting) and :mod:`~fedagg.compression.dgc` (error feedback for shared supports).
 See ``docs/compression.md``.
 """
 
@@ -21,7 +24,9 @@ from __future__ import annotations
 
 from fedagg.compression import codec
 from fedagg.compression.base import Chain, Compressor, Identity, Quantizer, reveals_indices
+from fedagg.compression.dgc import DGCFeedback
 from fedagg.compression.error_feedback import ErrorFeedback
+from fedagg.compression.fetchsgd import FetchSGDServer, SketchCompressor, SketchUpdate, find_sketch
 from fedagg.compression.payload import (
     FORMAT_VERSION,
     Payload,
@@ -31,6 +36,7 @@ from fedagg.compression.payload import (
     float32_to_bf16_bits,
 )
 from fedagg.compression.quantize import BF16, FP16, Int8
+from fedagg.compression.sketch import CountSketch
 from fedagg.compression.spec import StageContext, StageFactory, build_compressor, registry
 from fedagg.compression.support import (
     SharedSupport,
@@ -40,6 +46,7 @@ from fedagg.compression.support import (
     topk_of_aggregate,
 )
 from fedagg.compression.topk import RandomK, TopK
+from fedagg.compression.vote import VoteSketch, VoteSupport, find_vote_support
 
 __all__ = [
     "BF16",
@@ -47,23 +54,32 @@ __all__ = [
     "FP16",
     "Chain",
     "Compressor",
+    "CountSketch",
+    "DGCFeedback",
     "ErrorFeedback",
+    "FetchSGDServer",
     "Identity",
     "Int8",
     "Payload",
     "Quantizer",
     "RandomK",
     "SharedSupport",
+    "SketchCompressor",
+    "SketchUpdate",
     "StageContext",
     "StageFactory",
     "TensorPayload",
     "TopK",
+    "VoteSketch",
+    "VoteSupport",
     "WireDType",
     "bf16_bits_to_float32",
     "block_support",
     "build_compressor",
     "codec",
     "find_shared_support",
+    "find_sketch",
+    "find_vote_support",
     "float32_to_bf16_bits",
     "random_support",
     "registry",

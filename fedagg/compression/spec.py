@@ -6,9 +6,10 @@ Grammar::
     stage  := name [":" arg ("," arg)*]
     arg    := value | key "=" value
 
-At most one *sparsifier* (``none``, ``topk``, ``randk``, ``shared``, ``block``, ``aggtopk``
-or a plugin compressor) comes first, then at most one *quantizer* (``fp16``, ``bf16``,
-``int8`` or a plugin quantizer). ``ef`` may appear once, anywhere, and wraps the whole
+At most one *sparsifier* (``none``, ``topk``, ``randk``, ``shared``, ``block``, ``aggtopk``,
+the secure sparse stages ``sketch``, ``vote``, ``shared-dgc`` of
+:mod:`fedagg.compression.stages`, or a plugin compressor) comes first, then at most one
+*quantizer* (``fp16``, ``bf16``, ``int8`` or a plugin quantizer). ``ef`` may appear once, anywhere, and wraps the whole
 pipeline in :class:`~fedagg.compression.error_feedback.ErrorFeedback`. Names are
 case-insensitive; ``_`` and ``-`` are the same. See ``docs/compression.md`` for every stage.
 
@@ -28,6 +29,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from fedagg._registry import Registry
+from fedagg.compression import stages as _secure_stages
 from fedagg.compression.base import Chain, Compressor, Identity, Quantizer
 from fedagg.compression.error_feedback import ErrorFeedback
 from fedagg.compression.quantize import BF16, FP16, Int8
@@ -277,6 +279,11 @@ for _name, _factory in (
     ("int8", _int8),
 ):
     registry.register(_name, _factory)
+
+# Secure sparse modes of issue 21 (sketch, vote, shared-dgc): fedagg/compression/stages.py.
+for _stage_name, _stage_factory in _secure_stages.STAGES:
+    registry.register(_stage_name, _stage_factory)
+_FIXES.update(_secure_stages.FIXES)
 
 
 def _split_part(spec: str, part: str) -> tuple[str, tuple[str, ...], dict[str, str]]:
