@@ -169,3 +169,87 @@ def test_random_field_elements_rejects_p() -> None:
 
     out = shamir.random_field_elements(3, rb)
     assert out.tolist() == [5, 5, 5]
+
+
+# -- robust reconstruction (a holder may lie) ----------------------------------------------
+
+
+def _lie(share: shamir.Share, rb) -> shamir.Share:  # type: ignore[no-untyped-def]
+    y = shamir.random_field_elements(9, rb).astype(np.uint32)
+    return shamir.Share(share.x, y if not np.array_equal(y, share.y) else (y + 1) % P)
+
+
+@given(
+    secret=st.binary(min_size=32, max_size=32),
+    n=st.integers(1, 7),
+    data=st.data(),
+)
+@settings(max_examples=150, deadline=None)
+def test_reconstruct_verified_against_brute_force(
+    secret: bytes, n: int, data: st.DataObject
+) -> None:
+    """Oracle: it succeeds exactly when some t-subset of the shares interpolates to a secret
+    that passes the check (here: equals the secret), which needs t good shares."""
+    t = data.draw(st.integers(1, n))
+    rb = stream(secret + bytes([n, t]))
+    shares = shamir.split(secret, list(range(1, n + 1)), t, rb)
+    bad = data.draw(st.sets(st.integers(0, n - 1)))
+    shares = [_lie(s, rb) if i in bad else s for i, s in enumerate(shares)]
+    order = data.draw(st.permutations(shares))
+
+    def reference() -> bool:
+        for subset in itertools.combinations(shares, t):
+            with contextlib.suppress(VerificationError):
+                if shamir.reconstruct(list(subset), t) == secret:
+                    return True
+        return False
+
+    expect = reference()
+    assert expect >= (n - len(bad) >= t)  # t good shares always suffice
+    try:
+        got = shamir.reconstruct_verified(order, t, lambda s: s == secret, max_subsets=10**6)
+    except VerificationError:
+        assert not expect
+    else:
+        assert expect and got == secret
+
+
+def test_decoding_corrects_half_the_redundancy_in_two_checks() -> None:
+    """n = 20, t = 8: Berlekamp-Welch corrects (20 - 8) / 2 = 6 wrong shares, here the six
+    lowest (so the fast path fails), with one failed and one passing check."""
+    secret = b"\x5a" * 32
+    rb = stream(b"bw")
+    shares = shamir.split(secret, list(range(1, 21)), 8, rb)
+    shares = [_lie(s, rb) if s.x <= 6 else s for s in shares]
+    calls: list[bytes] = []
+
+    def verify(candidate: bytes) -> bool:
+        calls.append(candidate)
+        return candidate == secret
+
+    assert shamir.reconstruct_verified(shares, 8, verify) == secret
+    assert len(calls) <= 2
+
+
+def test_one_wrong_share_among_t_plus_one_is_found_by_the_search() -> None:
+    secret = b"\x33" * 32
+    rb = stream(b"t+1")
+    shares = shamir.split(secret, [4, 9, 10, 12], 3, rb)
+    shares[0] = _lie(shares[0], rb)  # the lowest x: always in the first attempt
+    with pytest.raises(VerificationError):
+        shamir.reconstruct(shares, 3)  # the plain function uses the t lowest
+    assert shamir.reconstruct_verified(shares, 3, lambda s: s == secret) == secret
+    with pytest.raises(VerificationError, match=r"^verification failed$"):
+        shamir.reconstruct_verified(shares, 3, lambda s: s == secret, max_subsets=0)
+
+
+def test_reconstruct_verified_refuses_bad_input() -> None:
+    shares = shamir.split(b"\x42" * 32, [1, 2, 3], 2, stream(b"n"))
+    with pytest.raises(ProtocolError, match="threshold=3"):
+        shamir.reconstruct_verified(shares[:2], 3, lambda s: True)
+    with pytest.raises(ProtocolError, match="distinct"):
+        shamir.reconstruct_verified([shares[0], shares[0]], 2, lambda s: True)
+    with pytest.raises(ProtocolError):
+        shamir.reconstruct_verified(shares, 0, lambda s: True)
+    with pytest.raises(VerificationError):  # nothing passes the check
+        shamir.reconstruct_verified(shares, 2, lambda s: False)
