@@ -5,6 +5,8 @@
          28x28 images, 199,210 parameters), the standard FL baseline for (Fashion-)MNIST.
 ``cnn``  two 3x3 convolutions + a linear classifier (a LeNet-5-like network, LeCun et al. 1998).
 ``logreg`` multinomial logistic regression (a linear layer), useful for exact-math tests.
+``resnet`` a ResNet-10 of BasicBlocks with GroupNorm (He et al. 2016; 1.23M parameters), the
+         model on which data-parallel sites pay (see :class:`ResNet`).
 """
 
 from __future__ import annotations
@@ -74,11 +76,120 @@ def _logreg(input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(c * h * w, num_classes))
 
 
+class BasicBlock(nn.Module):
+    """The two-layer residual block of He et al. (2016), section 3.3 / figure 2 (left).
+
+    ``out = relu(norm(conv3x3(relu(norm(conv3x3(x))))) + shortcut(x))``; the shortcut is the
+    identity, or a strided 1x1 convolution + norm where the shape changes ("option B",
+    section 3.3 "Residual Network").
+    """
+
+    def __init__(
+        self, c_in: int, c_out: int, stride: int, norm: Callable[[int], nn.Module]
+    ) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
+        self.norm1 = norm(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1, bias=False)
+        self.norm2 = norm(c_out)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or c_in != c_out:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False), norm(c_out)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.norm1(self.conv1(x)))
+        out = self.norm2(self.conv2(out))
+        return torch.relu(out + self.shortcut(x))
+
+
+class ResNet(nn.Module):
+    """A small ResNet for 1-channel images (He et al. 2016, section 4.2's CIFAR-style layout).
+
+    A 3x3 stem at full resolution, one stage of ``blocks[s]`` :class:`BasicBlock` s per width
+    (every stage after the first halves the resolution with a stride-2 first block), global
+    average pooling and one linear classifier. The defaults (widths 32-64-128-256, one block
+    per stage: a "ResNet-10") have 1,228,394 parameters for 10 classes -- large enough that a
+    step's backward takes longer than all-reducing its 4.9 MB of gradients, which is what
+    makes data-parallel sites pay (Li et al. 2020, section 3.2.4) -- and run on 28x28
+    (Fashion-MNIST: 28, 14, 7, 4 pixels per stage) as on 8x8 (digits: 8, 4, 2, 1).
+
+    Normalisation: ``norm="group"`` (default) is GroupNorm with 8 groups (Wu & He 2018,
+    "Group Normalization", ECCV): it normalises each example on its own and has no buffers,
+    so a K-worker site computes exactly what one worker computes with the same global batch
+    and there are no running statistics to keep consistent across workers. ``norm="batch"``
+    is BatchNorm as in He et al. (2016); its statistics then come from each worker's slice of
+    the batch and its running-stat buffers differ across workers unless they are broadcast
+    from worker 0 before every step (DDP ``broadcast_buffers=True``, Li et al. 2020 section
+    4.1; :class:`clients.buckets.GradReducer` does it when given ``buffers=``).
+
+    References
+    ----------
+    .. [He2016] K. He, X. Zhang, S. Ren, J. Sun. "Deep Residual Learning for Image
+       Recognition". CVPR 2016.
+    """
+
+    def __init__(
+        self,
+        input_shape: tuple[int, int, int],
+        num_classes: int,
+        *,
+        widths: tuple[int, ...] = (32, 64, 128, 256),
+        blocks: tuple[int, ...] = (1, 1, 1, 1),
+        norm: str = "group",
+    ) -> None:
+        super().__init__()
+        if norm not in ("group", "batch"):
+            raise ConfigError(
+                explain("norm", norm, "must be 'group' or 'batch'", "pass one of those")
+            )
+        if len(widths) != len(blocks) or not widths or min(blocks) < 1:
+            raise ConfigError(
+                explain(
+                    "blocks",
+                    blocks,
+                    f"need one count >= 1 per width {widths}",
+                    "pass as many block counts as widths",
+                )
+            )
+
+        def make_norm(c: int) -> nn.Module:
+            return nn.GroupNorm(min(8, c), c) if norm == "group" else nn.BatchNorm2d(c)
+
+        c = input_shape[0]
+        self.stem = nn.Sequential(
+            nn.Conv2d(c, widths[0], 3, padding=1, bias=False), make_norm(widths[0]), nn.ReLU()
+        )
+        layers: list[nn.Module] = []
+        c_in = widths[0]
+        for s, (width, count) in enumerate(zip(widths, blocks, strict=True)):
+            for b in range(count):
+                layers.append(BasicBlock(c_in, width, 2 if s > 0 and b == 0 else 1, make_norm))
+                c_in = width
+        self.stages = nn.Sequential(*layers)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(c_in, num_classes)
+        for m in self.modules():  # as torchvision's ResNet (He et al. 2015, "Delving Deep")
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.fc(torch.flatten(self.pool(self.stages(self.stem(x))), 1))
+        return out
+
+
+def _resnet(input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
+    """The reference ResNet of :class:`ResNet` (GroupNorm, 1.23M parameters)."""
+    return ResNet(input_shape, num_classes)
+
+
 MODELS: dict[str, Callable[[tuple[int, int, int], int], nn.Module]] = {
     "mlp": _mlp,
     "2nn": _two_nn,
     "cnn": _cnn,
     "logreg": _logreg,
+    "resnet": _resnet,
 }
 
 
