@@ -414,7 +414,9 @@ class ClientState:
             raise ProtocolError(
                 explain("neighbour_gens", "revealed key", "a neighbour key was rebuilt", "re-key")
             )
-        stale = sorted(j for j, g in gens.items() if (self.epoch, g) <= self._gen_floor.get(j, _NONE))
+        stale = sorted(
+            j for j, g in gens.items() if (self.epoch, g) <= self._gen_floor.get(j, _NONE)
+        )
         if stale:
             # A mask key is used in one round only. Announcing a neighbour at a generation this
             # site has already seen used (or an older one) is how a lying server would collect

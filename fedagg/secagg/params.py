@@ -297,7 +297,11 @@ def validate_site_floor(threshold_floor: object, min_neighbours: object) -> None
                 "keep the default 0.5",
             )
         )
-    if isinstance(min_neighbours, bool) or not isinstance(min_neighbours, int) or min_neighbours < 1:
+    if (
+        isinstance(min_neighbours, bool)
+        or not isinstance(min_neighbours, int)
+        or min_neighbours < 1
+    ):
         raise ConfigError(
             explain("min_neighbours", min_neighbours, "must be an int >= 1", "keep the default 3")
         )

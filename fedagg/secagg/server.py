@@ -414,6 +414,7 @@ class ServerState:
         self._uploads: set[int] = set()
         self._total: _Accumulator | None = None  # running sum, added on arrival
         self._commitments: dict[int, bytes] = {}
+        self._refused = {}  # owner -> recipients that could not open its shares, this round
         self._b_cts: dict[tuple[int, int], bytes] = {}
         self._responses: dict[int, UnmaskResponse] = {}
         self.stage = ServerStage.COLLECTING
@@ -537,7 +538,9 @@ class ServerState:
             _subsequence(msg.b_owners, req.b_senders) and _subsequence(msg.s_owners, req.s_senders)
         ):
             raise ProtocolError(explain("shares", msg.site, "do not match the request", "-"))
-        for j in (set(req.b_senders) - set(msg.b_owners)) | (set(req.s_senders) - set(msg.s_owners)):
+        left_out = set(req.b_senders) - set(msg.b_owners)
+        left_out |= set(req.s_senders) - set(msg.s_owners)
+        for j in left_out:
             self._refused[j] = self._refused.get(j, 0) + 1
         self._responses[msg.site] = msg
 

@@ -190,6 +190,18 @@ def test_site_whose_every_self_mask_share_is_garbage_is_named_and_rekeyed() -> N
     assert np.abs(res.mean - plain_mean(ups, res.counted)).max() <= res.error_bound
 
 
+def test_blame_counts_only_this_rounds_refusals() -> None:
+    """Site 1's garbage ciphertext in round 1 is forgiven (the round completes); in round 2
+    three sites vanish after uploading and the round aborts, which blames nobody."""
+    net = Net(6, SecAggParams(threshold=3, weight_scale=1.0))
+    net.setup()
+    net.round(1, updates(13, 6, DIM), upload=lambda i, up: up if i != 1 else dataclasses.replace(
+        up, b_ciphertexts=_garble(up.b_ciphertexts, range(1))))
+    with pytest.raises(AbortRound):
+        net.round(2, updates(14, 6, DIM), respond=lambda i, r: None if i in (2, 3, 4) else r)
+    assert net.server.blamed_sites == ()
+
+
 def test_unmask_request_with_every_ciphertext_garbage_is_answered_empty() -> None:
     net = Net(4, SecAggParams(threshold=2, weight_scale=1.0))
     net.setup()

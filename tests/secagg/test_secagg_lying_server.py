@@ -92,7 +92,9 @@ def _replay_attack(net: Net, victim: int, holders, ups2):  # type: ignore[no-unt
     return refused, shares
 
 
-def _try_recover(net: Net, victim: int, upload, seed: bytes, shares, publics, n_part):  # type: ignore[no-untyped-def]
+def _try_recover(  # type: ignore[no-untyped-def]
+    net: Net, victim: int, upload, seed: bytes, shares, publics, n_part: int
+):
     """The lying server's last step: rebuild the old key and unmask the victim's upload."""
     t = net.params.threshold
     if len(shares) < t:
