@@ -9,11 +9,11 @@ and secure aggregation dense / sparse (both supports) when ``strategies.secure``
 (otherwise those rows say "pending: secure strategy").
 
 How it runs: **in-process**, on the real client code path. Each site is the real ClientApp
-(``clients.app:app``: its MODS, i.e. :func:`clients.mods.compression_mod`, and its train
+(``clients.app:app``: the site protocol, :mod:`clients.protocol`, and its train
 handler) called with real Flower ``Message`` and ``Context`` objects; every message crosses a
 real Flower serialization round trip (deflate -> inflate of all its objects, as the SuperLink
-stores it), and bytes up / down are :func:`strategies._records.message_nbytes` of the real
-messages, measured by :func:`strategies.base.default_train_round` exactly as in a Flower run.
+stores it), and bytes up / down are :func:`strategies.wire.message_nbytes` of the real
+messages, measured by :func:`strategies.base.run_train_round` exactly as in a Flower run.
 The one thing left out is Ray: 20 sites x 12 variants x 30 rounds through Flower's simulation
 engine does not fit the 2-core development machine in 15 minutes.
 
@@ -182,9 +182,9 @@ def run(args: argparse.Namespace) -> tuple[list[Track], dict[str, Any]]:
     from fedagg.models import build_model, set_weights
     from fedagg.training import evaluate
     from server.runner import client_config
-    from strategies._records import arrays_to_record, record_to_arrays
     from strategies.base import run_train_round
     from strategies.registry import build_strategy
+    from strategies.wire import arrays_to_record, record_to_arrays
 
     # Flower sets these when it starts a ServerApp / ClientApp; in process we set them once
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
@@ -194,6 +194,7 @@ def run(args: argparse.Namespace) -> tuple[list[Track], dict[str, Any]]:
               f"data.dirichlet_alpha={args.alpha}", f"data.max_train_examples={args.max_train}",
               f"model.name={args.model}", f"train.local_epochs={args.local_epochs}",
               f"train.batch_size={args.batch_size}", f"train.lr={args.lr}", f"train.momentum={args.momentum}",
+              "data.eval_fraction=0",  # every example trains, as in the recorded runs
               *args.common]
     wanted = set(args.variants.split(",")) if args.variants else None
     secure_exists = importlib.util.find_spec("strategies.secure") is not None

@@ -45,8 +45,8 @@ def simulate(sites: int, rounds: int) -> dict[str, list[float]]:
     from fedagg.data import load_dataset
     from fedagg.models import build_model
     from server.runner import client_config
-    from strategies._records import arrays_to_record
     from strategies.fedavg import FedAvg
+    from strategies.wire import arrays_to_record
 
     cfg = load_config(None, [f"run.sites={sites}", "train.local_epochs=1"])
     times: dict[str, list[float]] = {"fedagg": [], "flower": []}
@@ -78,8 +78,8 @@ def aggregate_only(sites: int = 10, params: int = 1_000_000, repeats: int = 7) -
     from flwr.app import ConfigRecord
     from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
-    from strategies._records import arrays_to_record
     from strategies.fedavg import FedAvg
+    from strategies.wire import arrays_to_record
 
     rng = np.random.default_rng(0)
     shapes = [(params // 2,), (params // 4,), (params // 4,)]

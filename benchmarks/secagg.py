@@ -10,8 +10,8 @@ and Flower SecAgg+ take turns in every measured round, so load changes hit all t
   nodes) and a legacy ``ClientApp(client_fn=..., mods=[secaggplus_mod])``; its four stages per
   round, unmodified. ``num_shares = k + 1`` and ``reconstruction_threshold = t`` with the same
   ``k`` (neighbours) and ``t`` as fedagg.
-* **fedagg secure**: ``strategies.secure.SecureAggregation`` (inner fedagg FedAvg) and a
-  ClientApp with ``clients.secure.secure_mod`` and its query handlers.
+* **fedagg secure**: ``strategies.SecureAggregation`` (inner fedagg FedAvg) and a
+  ClientApp with ``clients.fedagg_mod``.
 * **plain FedAvg**: fedagg's FedAvg, one exchange.
 
 Every site's "training" returns ``global + delta`` with a fixed synthetic ``delta`` of D float32
@@ -52,15 +52,15 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from clients.secure import register, secure_mod
+from clients.protocol import fedagg_mod
 from fedagg.config import RunConfig, load_config
 from fedagg.secagg.threads import ENV_VAR, auto_threads
 from server.inprocess import InProcessGrid
 from server.runner import client_config
-from strategies._records import arrays_to_record, record_to_arrays
-from strategies.base import default_train_round
+from strategies.base import run_train_round
 from strategies.fedavg import FedAvg
 from strategies.secure import SecureAggregation
+from strategies.wire import arrays_to_record, record_to_arrays
 
 _log = logging.getLogger(__name__)
 
@@ -89,8 +89,8 @@ DELTAS = _Deltas()
 
 # -- fedagg ClientApps (message API) ---------------------------------------------------------
 def fedagg_app(secure: bool) -> ClientApp:
-    """ClientApp whose train handler returns ``global + delta`` (optionally with secure_mod)."""
-    app = ClientApp(mods=[secure_mod] if secure else [])
+    """ClientApp whose train handler returns ``global + delta`` (optionally with fedagg_mod)."""
+    app = ClientApp(mods=[fedagg_mod] if secure else [])
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
@@ -101,8 +101,6 @@ def fedagg_app(secure: bool) -> ClientApp:
                                    "metrics": MetricRecord({"num-examples": EXAMPLES})}),
                        reply_to=msg)
 
-    if secure:
-        register(app)
     return app
 
 
@@ -255,13 +253,14 @@ def bench(n: int, dim: int, rounds: int, *, flower: bool = True,
 
     plain_grid = InProcessGrid(fedagg_app(False), n, seed=n)
     plain_timed = Timed(plain_grid)
-    plain = FedAvg()
+    plain = FedAvg(min_available_nodes=n)
     conf = client_config(cfg)
     # one secure federation per thread setting (server: secagg.threads; sites: the env var)
     secures = {}
     for t in threads:
         grid = InProcessGrid(fedagg_app(True), n, seed=n)
-        strategy = SecureAggregation(FedAvg(), secagg=cfg.secagg.model_copy(update={"threads": t}))
+        strategy = SecureAggregation(FedAvg(min_available_nodes=n),
+                                     secagg=cfg.secagg.model_copy(update={"threads": t}))
         secures[t] = (grid, Timed(grid), strategy)
 
     def secure_round(rnd: int, wire: bool, t: int) -> dict[str, float]:
@@ -271,7 +270,7 @@ def bench(n: int, dim: int, rounds: int, *, flower: bool = True,
         os.environ[ENV_VAR] = str(t or auto_threads())
         try:
             run = sec_timed.measure(lambda: box.update(
-                r=secure.train_round(sec_grid, rnd, arrays, conf, 600.0)), wire=wire)
+                r=run_train_round(secure, sec_grid, rnd, arrays, conf, 600.0)), wire=wire)
         finally:
             if old is None:
                 del os.environ[ENV_VAR]
@@ -303,7 +302,7 @@ def bench(n: int, dim: int, rounds: int, *, flower: bool = True,
         wire = rnd == 1
         res: dict[str, Any] = {}
         run = plain_timed.measure(lambda r=rnd, box=res: box.update(
-            r=default_train_round(plain, plain_grid, r, arrays, ConfigRecord(), 600.0)),
+            r=run_train_round(plain, plain_grid, r, arrays, ConfigRecord(), 600.0)),
             wire=wire)
         run["exchanges"] = res["r"].exchanges
         out["fedavg"].append(run)

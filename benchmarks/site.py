@@ -33,9 +33,11 @@ from dataclasses import dataclass, field
 
 from clients.site import SiteRuntime
 from clients.worker import WorkerJob
+from fedagg.builtin import BuiltinData, BuiltinModel
 from fedagg.config import SiteConfig
 from fedagg.data import load_dataset
 from fedagg.models import build_model, get_weights
+from fedagg.task import SiteInfo, Task, TrainSettings
 
 
 @dataclass
@@ -78,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
 
     ks = [int(k) for k in a.workers.split(",")]
     ds = load_dataset(a.dataset)
-    x, y = ds.x_train[: a.examples], ds.y_train[: a.examples]
+    data = BuiltinData(dataset=a.dataset, partitioner="iid", min_size=1, max_train=a.examples,
+                       eval_fraction=0.0)  # the first --examples examples, one site
+    task = Task(model=BuiltinModel(a.model, data), data=data)
     w0 = get_weights(build_model(a.model, ds.input_shape, ds.num_classes, seed=0))
     n_params = sum(w.size for w in w0)
     variants = _variants(ks, a.accumulation)
@@ -91,20 +95,20 @@ def main(argv: list[str] | None = None) -> int:
             site = SiteConfig(workers=k, mode=a.mode, algorithm=a.algorithm, bucket_mb=a.bucket_mb,
                               overlap=name != "no-overlap", accumulation_steps=m,
                               worker_timeout=600.0)
-            job = WorkerJob(site="bench", model=a.model, input_shape=ds.input_shape,
-                            num_classes=ds.num_classes, weights=w0, epochs=a.epochs,
-                            batch_size=a.batch_size * m, lr=0.05, momentum=0.9, seed=rep)
-            res = SiteRuntime(site, name="bench", device=a.device).run(job, x, y)
+            job = WorkerJob(task=task, site=SiteInfo(0, 1, name="bench"), weights=w0,
+                            settings=TrainSettings(epochs=a.epochs, batch_size=a.batch_size * m,
+                                                   lr=0.05, momentum=0.9, seed=rep))
+            res = SiteRuntime(site, name="bench", device=a.device).run(job)
             s = samples[(k, name)]
             per_epoch = [max(w.epoch_seconds[e] for w in res.workers) for e in range(a.epochs)]
             s.epoch += per_epoch[1:] if a.epochs > 1 else per_epoch
-            s.comm.append(res.metrics["comm-seconds"] / a.epochs)
-            s.wait.append(res.metrics["comm-wait-seconds"] / a.epochs)
-            s.calls = res.metrics["allreduce-calls"] / a.epochs
-            s.bytes = res.metrics["bytes-allreduced"] / a.epochs
-            s.startup.append(res.metrics["startup-seconds"])
+            s.comm.append(res.metrics["comm_seconds"] / a.epochs)
+            s.wait.append(res.metrics["comm_wait_seconds"] / a.epochs)
+            s.calls = res.metrics["allreduce_calls"] / a.epochs
+            s.bytes = res.metrics["bytes_allreduced"] / a.epochs
+            s.startup.append(res.metrics["startup_seconds"])
             print(f"rep {rep} K={k} {name:<10} epoch {statistics.median(per_epoch[1:] or per_epoch):.3f} s "
-                  f"startup {res.metrics['startup-seconds']:.1f} s", file=sys.stderr, flush=True)
+                  f"startup {res.metrics['startup_seconds']:.1f} s", file=sys.stderr, flush=True)
 
     t1 = statistics.median(samples[(1, "overlap")].epoch) if (1, "overlap") in samples else None
     rows = []

@@ -1,8 +1,9 @@
-"""Multi-worker sites: K local workers train as one data-parallel job; the site replies once.
+"""A site's training: one worker, or K local workers as one data-parallel job; one update.
 
-On every train message :func:`run_site` starts the site's K workers (:class:`SiteRuntime`),
-each trains its share of every global batch (:func:`clients.worker.train_worker`), gradients
-are summed across workers after every step with bucketed, overlapped all-reduce
+On every train message :func:`run_site` trains the user's :class:`~fedagg.task.Task`. With
+``site.workers = K > 1`` it starts the site's K workers (:class:`SiteRuntime`), each trains
+its share of every step (:func:`clients.worker.train_worker`), gradients are summed across
+workers after every step with bucketed, overlapped all-reduce
 (:class:`clients.buckets.GradReducer`, Li et al. 2020), and after ``train.local_epochs``
 epochs the workers hold bit-identical weights; worker 0's are the site's update.
 
@@ -12,11 +13,14 @@ Worker modes (``site.mode``):
     K real processes (``python -m clients.worker``) joined by torch.distributed: gloo on CPU,
     NCCL with one GPU per worker when the process sees at least K GPUs. The ClientApp process
     hosts the rendezvous store at a port the OS picks, so concurrent simulated sites never
-    collide. Weights, data and results travel through files in a private temporary directory
-    (under ``$FEDAGG_SITE_TMPDIR`` if set, else the system's temporary directory).
+    collide. The job (task, settings, weights) and results travel through files in a private
+    temporary directory (under ``$FEDAGG_SITE_TMPDIR`` if set, else the system's temporary
+    directory); each worker builds the model and its data itself (``Task.model`` /
+    ``Task.data``), so the task must be picklable. Workers inherit this process's ``sys.path``.
 ``inprocess``
     K threads inside the ClientApp process on an :class:`~fedagg.collectives.InProcessGroup`:
-    cheap simulation of many multi-worker sites, same training code.
+    cheap simulation of many multi-worker sites, same training code; the site's data is built
+    once and shared.
 
 Failure handling. Every worker reports its progress (``compute`` / ``comm`` phase and step).
 A worker that dies, raises, or makes no progress for ``site.worker_timeout`` seconds while
@@ -42,16 +46,13 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from clients.worker import (
     JOB_FILE,
-    X_FILE,
-    Y_FILE,
-    WorkerFault,
     WorkerJob,
     WorkerResult,
     error_file,
@@ -61,13 +62,10 @@ from clients.worker import (
 )
 from fedagg.collectives import InProcessGroup
 from fedagg.config import SiteConfig
-from fedagg.errors import CollectiveError, WorkerError, explain
+from fedagg.errors import CollectiveError, ConfigError, WorkerError, explain
+from fedagg.task import SiteData
 
-if TYPE_CHECKING:  # Flower-dependent; imported lazily so SiteRuntime runs without Flower
-    from clients.local import SiteUpdate
-    from clients.settings import SiteSettings
-
-__all__ = ["SiteResult", "SiteRuntime", "build_job", "run_site"]
+__all__ = ["SiteResult", "SiteRuntime", "run_site"]
 
 _log = logging.getLogger(__name__)
 
@@ -83,7 +81,7 @@ STARTUP_S = 120.0
 class SiteResult:
     """The site's update and metrics for one round."""
 
-    weights: list[npt.NDArray[np.float32]]
+    weights: list[npt.NDArray[Any]]
     num_examples: int
     metrics: dict[str, float]
     workers: list[WorkerResult]
@@ -167,8 +165,10 @@ class SiteRuntime:
 
         return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= self.site.workers else "cpu"
 
-    def run(self, job: WorkerJob, x: npt.NDArray[np.float32], y: npt.NDArray[np.int64]) -> SiteResult:
+    def run(self, job: WorkerJob, data: SiteData | None = None) -> SiteResult:
         """Train the site for one round; return worker 0's weights and the site's metrics.
+
+        ``data`` (in-process mode) is the site's data if the caller built it already.
 
         Raises
         ------
@@ -179,9 +179,9 @@ class SiteRuntime:
         job = _with_site(job, self.site, self.device)
         t0 = time.perf_counter()
         if self.site.mode == "process":
-            results = self._run_processes(job, x, y)
+            results = self._run_processes(job)
         else:
-            results = self._run_threads(job, x, y)
+            results = self._run_threads(job, data if data is not None else job.task.data(job.site))
         wall = time.perf_counter() - t0
         digests = {r.digest for r in results}
         if len(digests) != 1:
@@ -192,11 +192,12 @@ class SiteRuntime:
         weights = results[0].weights
         if weights is None:
             raise WorkerError(f"{self.name}: worker 0 returned no weights")
-        return SiteResult(weights, len(y), _metrics(results, wall, job.epochs), results)
+        size = None if self.site.mode == "process" else (data.train_size() if data else None)
+        examples = size if size is not None else sum(r.epoch_examples for r in results)
+        return SiteResult(weights, examples, _metrics(results, wall, job.settings.epochs), results)
 
     # -- in-process -----------------------------------------------------------------------
-    def _run_threads(self, job: WorkerJob, x: npt.NDArray[np.float32],
-                     y: npt.NDArray[np.int64]) -> list[WorkerResult]:
+    def _run_threads(self, job: WorkerJob, data: SiteData) -> list[WorkerResult]:
         k = self.site.workers
         group = InProcessGroup(k, timeout=job.timeout)
         comms = group.communicators()
@@ -209,7 +210,7 @@ class SiteRuntime:
         def body(rank: int) -> None:
             try:
                 results[rank] = train_worker(
-                    job, comms[rank], x, y, stop=stop, in_process=True,
+                    job, comms[rank], data=data, stop=stop, in_process=True,
                     progress=lambda phase, step: progress.update(rank, f"{phase} {step}"))
             except BaseException as exc:  # reported by the site below
                 with lock:
@@ -241,8 +242,7 @@ class SiteRuntime:
         return [r for r in results if r is not None]
 
     # -- processes --------------------------------------------------------------------------
-    def _run_processes(self, job: WorkerJob, x: npt.NDArray[np.float32],
-                       y: npt.NDArray[np.int64]) -> list[WorkerResult]:
+    def _run_processes(self, job: WorkerJob) -> list[WorkerResult]:
         from fedagg.collectives.backends.torch_dist import host_store
 
         k = self.site.workers
@@ -254,11 +254,11 @@ class SiteRuntime:
             store, port = host_store(job.timeout)
             job.port, job.parent_pid = port, os.getpid()
             job.threads = job.threads or max(1, (os.cpu_count() or 1) // k)
-            np.save(job_dir / X_FILE, np.ascontiguousarray(x))
-            np.save(job_dir / Y_FILE, np.ascontiguousarray(y))
-            (job_dir / JOB_FILE).write_bytes(pickle.dumps(job))
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-                [str(_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+            (job_dir / JOB_FILE).write_bytes(_pickle_job(job))
+            # the workers import what this process imports (the user's task module too)
+            paths = [str(_ROOT), *(p for p in sys.path if p and Path(p).is_dir()),
+                     *filter(None, [os.environ.get("PYTHONPATH")])]
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
             for r in range(k):
                 log = open(job_dir / f"worker-{r}.log", "wb")  # noqa: SIM115 -- closed below
                 logs.append(log)
@@ -346,6 +346,18 @@ class SiteRuntime:
         raise WorkerError(text)
 
 
+def _pickle_job(job: WorkerJob) -> bytes:
+    """The job as bytes for the worker processes; an unpicklable task is named, with the fix."""
+    try:
+        return pickle.dumps(job)
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        raise ConfigError(explain(
+            "site.mode", "process",
+            f"the Task must be picklable to reach the worker processes ({exc})",
+            "define the model, data, loss, optimizer and step functions at module level "
+            "(not lambdas or nested functions), or use site.mode = 'inprocess'")) from None
+
+
 def _process_failure(rank: int, p: subprocess.Popen[bytes], rc: int, job_dir: Path) -> _Failure:
     err = error_file(job_dir, rank)
     if err.exists():
@@ -415,58 +427,48 @@ def _metrics(results: list[WorkerResult], wall: float, epochs: int) -> dict[str,
     r0 = results[0]
     return {
         "workers": float(len(results)),
-        "train-loss": sum(r.loss_sum for r in results) / max(examples, 1),
+        "train_loss": sum(r.loss_sum for r in results) / max(examples, 1),
         "steps": float(r0.steps),
-        "compute-seconds": max(r.compute_seconds for r in results),
-        "comm-seconds": max(r.comm_seconds for r in results),
-        "comm-wait-seconds": max(r.wait_seconds for r in results),
-        "bytes-allreduced": float(r0.bytes_allreduced),
-        "bytes-sent": float(sum(r.bytes_sent for r in results)),
-        "allreduce-calls": float(r0.allreduce_calls),
+        "compute_seconds": max(r.compute_seconds for r in results),
+        "comm_seconds": max(r.comm_seconds for r in results),
+        "comm_wait_seconds": max(r.wait_seconds for r in results),
+        "bytes_allreduced": float(r0.bytes_allreduced),
+        "bytes_sent": float(sum(r.bytes_sent for r in results)),
+        "allreduce_calls": float(r0.allreduce_calls),
         "buckets": float(r0.buckets),
-        "epoch-seconds": float(np.mean(per_epoch)) if per_epoch else train / max(epochs, 1),
-        "train-seconds": train,
-        "startup-seconds": max(0.0, wall - train),
-        "site-seconds": wall,
+        "epoch_seconds": float(np.mean(per_epoch)) if per_epoch else train / max(epochs, 1),
+        "train_seconds": train,
+        "startup_seconds": max(0.0, wall - train),
+        "site_seconds": wall,
     }
 
 
-def build_job(settings: SiteSettings, weights: list[npt.NDArray[np.float32]],
-              input_shape: tuple[int, int, int], num_classes: int) -> WorkerJob:
-    """The :class:`WorkerJob` of one round at one site, from its :class:`SiteSettings`."""
-    from clients.local import training_seed
-
-    cfg, f = settings.cfg, settings.cfg.faults
-    fault = None
-    if f.worker_fault_site == settings.partition_id and f.worker_fault_round == settings.server_round:
-        if f.kill_worker is not None:
-            fault = WorkerFault("kill", f.kill_worker, f.worker_fault_step)
-        elif f.hang_worker is not None:
-            fault = WorkerFault("hang", f.hang_worker, f.worker_fault_step)
-    t = cfg.train
-    return WorkerJob(
-        site=settings.name, model=cfg.model.name, input_shape=input_shape, num_classes=num_classes,
-        weights=[np.asarray(w, dtype=np.float32) for w in weights], epochs=t.local_epochs,
-        batch_size=t.batch_size, lr=t.lr, momentum=t.momentum, seed=training_seed(settings),
-        fault=fault)
-
-
-def run_site(settings: SiteSettings, weights: list[npt.NDArray[np.float32]]) -> SiteUpdate:
-    """Train a multi-worker site for one round; return its :class:`~clients.local.SiteUpdate`.
+def run_site(job: WorkerJob, site: SiteConfig, *, name: str = "site", server_round: int = 0,
+             data: SiteData | None = None) -> SiteResult:
+    """Train a site for one round: one worker here, or ``site.workers`` as one data-parallel job.
 
     Raises
     ------
     WorkerError
         A worker crashed, raised or hung (the ClientApp turns it into Flower's error reply).
     """
-    from clients.local import SiteUpdate, local_data
-
-    x, y, shape, classes = local_data(settings)
-    job = build_job(settings, weights, shape, classes)
-    runtime = SiteRuntime(settings.cfg.site, name=settings.name, server_round=settings.server_round)
-    result = runtime.run(job, x, y)
+    if site.workers == 1:
+        t0 = time.perf_counter()
+        job = _with_site(job, site, os.environ.get("FEDAGG_SITE_DEVICE") or "cpu")
+        data = data if data is not None else job.task.data(job.site)
+        comm = InProcessGroup(1, timeout=job.timeout).communicators()[0]
+        r = train_worker(job, comm, data=data)
+        wall = time.perf_counter() - t0
+        assert r.weights is not None
+        size = data.train_size()
+        metrics = {"train_loss": r.loss_sum / max(r.examples, 1), "workers": 1.0,
+                   "steps": float(r.steps), "compute_seconds": r.train_seconds,
+                   "train_seconds": r.train_seconds, "site_seconds": wall}
+        return SiteResult(r.weights, size if size is not None else r.epoch_examples, metrics, [r])
+    runtime = SiteRuntime(site, name=name, server_round=server_round)
+    result = runtime.run(job, data)
     _log.info("%s round %d: %d workers (%s, %s), %.2f s compute, %.2f s comm, %d bytes all-reduced",
-              settings.name, settings.server_round, settings.cfg.site.workers, settings.cfg.site.mode,
-              runtime.device, result.metrics["compute-seconds"], result.metrics["comm-seconds"],
-              int(result.metrics["bytes-allreduced"]))
-    return SiteUpdate(result.weights, result.num_examples, result.metrics)
+              name, server_round, site.workers, site.mode, runtime.device,
+              result.metrics["compute_seconds"], result.metrics["comm_seconds"],
+              int(result.metrics["bytes_allreduced"]))
+    return result

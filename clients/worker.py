@@ -1,22 +1,24 @@
-"""One local worker of a multi-worker site: the data-parallel training loop, and the entry
-point of a worker process (``python -m clients.worker JOB_DIR RANK``).
+"""One local worker of a site: the data-parallel training loop of a user's :class:`Task`, and
+the entry point of a worker process (``python -m clients.worker JOB_DIR RANK WORLD``).
 
-The same :func:`train_worker` runs in both worker modes: on a thread with an in-process
-communicator (``site.mode = "inprocess"``) and in a process of its own joined to the site's
-other workers by torch.distributed (``site.mode = "process"``; gloo on CPU, NCCL with one GPU
-per worker).
+The same :func:`train_worker` runs a site of one worker, the K threads of an in-process site
+(``site.mode = "inprocess"``, an in-process communicator) and the K processes of a
+process-mode site (torch.distributed: gloo on CPU, NCCL with one GPU per worker).
 
-Equivalence with one worker. The site iterates *global* batches exactly like
-:func:`fedagg.training.train` (same :func:`fedagg.training.batches` order, ``train.batch_size``
-is the global batch). Worker ``k`` of ``K`` takes the ``k``-th contiguous slice of every global
-batch (``numpy.array_split``, sizes differ by at most one; a slice may be empty when the last
-batch has fewer than ``K`` examples) and optionally splits it into ``M`` micro-batches. Every
-micro-batch loss is the *sum* of per-example losses divided by the global batch size, so the
-gradients summed over micro-batches and workers (one bucketed all-reduce per step, see
-:class:`clients.buckets.GradReducer`) equal the gradient of the mean loss over the global batch
-(Goyal et al. 2017, "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour", section 2).
-Every worker then applies the same SGD (momentum) step to identical weights, so the workers
+Equivalence with one worker (data as a map-style ``Dataset``). The site iterates *global*
+batches of ``train.batch_size`` in a seeded order (:func:`fedagg.task.global_batches`); worker
+``k`` of ``K`` takes the ``k``-th contiguous slice of every global batch (sizes differ by at
+most one; a slice may be empty when the last batch has fewer than ``K`` examples) and
+optionally splits it into ``M`` micro-batches. Each micro-batch's mean loss is scaled by its
+share of the global batch, so the gradients summed over micro-batches and workers (one
+bucketed all-reduce per step, :class:`clients.buckets.GradReducer`) equal the gradient of the
+mean loss over the global batch (Goyal et al. 2017, "Accurate, Large Minibatch SGD", section
+2). Every worker then applies the same optimizer step to identical weights, so the workers
 stay identical and the result equals single-worker training up to float32 summation order.
+
+Data as one loader per worker shard (``SiteData.train_loader``): every worker runs as many
+steps as the shortest shard and the gradients are averaged over workers and micro-batches,
+as PyTorch DDP does (Li et al. 2020, VLDB, section 3.2).
 
 This module imports neither Flower nor torch.distributed (the latter only through
 :mod:`fedagg.collectives.backends.torch_dist`), so a worker process starts quickly.
@@ -33,22 +35,34 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
-from torch import nn
 
 from clients.buckets import GradReducer
-from fedagg.collectives import Communicator
-from fedagg.errors import WorkerError
-from fedagg.models import build_model, get_weights, set_weights
-from fedagg.training import batches
+from fedagg.collectives import Communicator, all_reduce
+from fedagg.errors import DataError, WorkerError, explain
+from fedagg.task import (
+    SiteData,
+    SiteInfo,
+    StepContext,
+    Task,
+    TrainSettings,
+    batch_size_of,
+    fetch,
+    get_weights,
+    global_batches,
+    set_weights,
+    to_device,
+)
 
-__all__ = ["WorkerFault", "WorkerJob", "WorkerResult", "main", "train_worker", "weights_digest"]
+__all__ = ["JOB_FILE", "WorkerFault", "WorkerJob", "WorkerResult", "main", "train_worker",
+           "weights_digest"]
 
 _log = logging.getLogger(__name__)
 
@@ -69,16 +83,10 @@ class WorkerFault:
 class WorkerJob:
     """Everything a worker needs for one round (picklable, no live handles)."""
 
-    site: str
-    model: str
-    input_shape: tuple[int, int, int]
-    num_classes: int
-    weights: list[npt.NDArray[np.float32]]
-    epochs: int
-    batch_size: int
-    lr: float
-    momentum: float
-    seed: int
+    task: Task
+    site: SiteInfo
+    settings: TrainSettings
+    weights: list[npt.NDArray[Any]]
     accumulation_steps: int = 1
     algorithm: str = "auto"
     bucket_mb: float = 25.0
@@ -98,7 +106,7 @@ class WorkerResult:
 
     rank: int
     digest: str
-    weights: list[npt.NDArray[np.float32]] | None
+    weights: list[npt.NDArray[Any]] | None
     examples: int
     loss_sum: float
     steps: int
@@ -111,9 +119,10 @@ class WorkerResult:
     allreduce_calls: int
     buckets: int
     epoch_seconds: list[float] = field(default_factory=list)
+    epoch_examples: int = 0
 
 
-def weights_digest(weights: list[npt.NDArray[np.float32]]) -> str:
+def weights_digest(weights: list[npt.NDArray[Any]]) -> str:
     """SHA-256 of the weights' bytes (workers must end bit-identical)."""
     h = hashlib.sha256()
     for w in weights:
@@ -134,26 +143,68 @@ def _strike(fault: WorkerFault, rank: int, stop: threading.Event | None, in_proc
     raise WorkerError(f"worker {rank}: injected hang stopped by the site")
 
 
+def _dataset_steps(data: SiteData, settings: TrainSettings, epoch: int, rank: int, k: int,
+                   m: int) -> Iterator[list[tuple[Any, float, int]]]:
+    """Dataset mode: per step, this worker's micro-batches ``(batch, scale, n)``."""
+    assert data.train is not None
+    n_all = len(data.train)  # type: ignore[arg-type]
+    if n_all == 0:
+        raise DataError(explain("SiteData.train", "0 examples", "must not be empty",
+                                "give the site some training data"))
+    for idx in global_batches(n_all, settings.batch_size, epoch=epoch, seed=settings.seed):
+        n_global = len(idx)
+        mine = np.array_split(idx, k)[rank]
+        yield [(fetch(data.train, mb), len(mb) / n_global, len(mb))
+               for mb in np.array_split(mine, m) if len(mb)]
+
+
+def _loader_steps(loader: Iterable[Any], steps: int, k: int, m: int
+                  ) -> Iterator[list[tuple[Any, float, int]]]:
+    """Loader mode: ``steps`` steps of ``m`` consecutive batches, averaged over ``k`` workers."""
+    it = iter(loader)
+    for _ in range(steps):
+        micro = []
+        for _ in range(m):
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            micro.append((batch, 1.0 / (k * m), batch_size_of(batch)))
+        if not micro:
+            return
+        yield micro
+
+
+def _shortest(comm: Communicator, length: int, timeout: float) -> int:
+    """The smallest ``length`` over the site's workers (one tiny all-reduce)."""
+    if comm.world_size == 1:
+        return length
+    counts = torch.zeros(comm.world_size, dtype=torch.float64)
+    counts[comm.rank] = float(length)
+    all_reduce(counts, comm=comm, algorithm="ring", timeout=timeout)
+    return int(counts.min())
+
+
 def train_worker(
     job: WorkerJob,
     comm: Communicator,
-    x: npt.NDArray[np.float32],
-    y: npt.NDArray[np.int64],
     *,
+    data: SiteData | None = None,
     progress: Progress | None = None,
     stop: threading.Event | None = None,
     in_process: bool = False,
 ) -> WorkerResult:
-    """Train this worker's share of every global batch for ``job.epochs``; return its result.
+    """Train this worker's share of every step for ``settings.epochs``; return its result.
 
     Parameters
     ----------
     job : WorkerJob
-        Model, starting weights, optimizer and site settings (identical on every worker).
+        The task, the site, the round's settings and starting weights (same on every worker).
     comm : Communicator
         The site's communicator; ``comm.rank`` is this worker, ``comm.world_size`` is K.
-    x, y : numpy.ndarray
-        The *site's* whole training partition (only this worker's slices are read).
+    data : SiteData, optional
+        The site's data, when the caller built it already (in-process sites build it once);
+        else ``job.task.data(job.site)`` is called here.
     progress : callable, optional
         Called with ``(phase, step)`` whenever the worker starts computing or waiting for its
         peers; the site uses it to tell a hung worker from one waiting on a hung peer.
@@ -165,45 +216,68 @@ def train_worker(
     rank, k_workers = comm.rank, comm.world_size
     device = torch.device(job.device)
     beat = progress or (lambda phase, step: None)
-    model: nn.Module = build_model(job.model, job.input_shape, job.num_classes)
+    task, settings = job.task, job.settings
+    model = task.model()
     set_weights(model, job.weights)
     model.to(device)
     model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=job.lr, momentum=job.momentum)
-    loss_fn = nn.CrossEntropyLoss(reduction="sum")
-    reducer = GradReducer(
-        model.parameters(), comm, algorithm=job.algorithm, bucket_bytes=int(job.bucket_mb * 2**20),
-        overlap=job.overlap, comm_dtype=job.comm_dtype, timeout=job.timeout,
-    )
-    xt = torch.from_numpy(np.ascontiguousarray(x))
-    yt = torch.from_numpy(np.ascontiguousarray(y))
+    site_data = data if data is not None else task.data(job.site)
+    global_params = [p.detach().clone() for p in model.parameters()]
+    opt = task.make_optimizer(model.parameters(), settings)
+    step_fn = task.step()
+    reducer = None
+    if k_workers > 1:
+        reducer = GradReducer(
+            model.parameters(), comm, algorithm=job.algorithm,
+            bucket_bytes=int(job.bucket_mb * 2**20), overlap=job.overlap,
+            comm_dtype=job.comm_dtype, timeout=job.timeout,
+        )
     m = job.accumulation_steps
-    steps, examples, loss_sum = 0, 0, 0.0
+    if k_workers == 1 or not in_process:  # dropout & co. reproducible (threads share one RNG)
+        torch.manual_seed(settings.seed)
+    loader: Iterable[Any] = ()
+    loader_steps = 0
+    if site_data.train_loader is not None:
+        loader = site_data.train_loader(rank, k_workers)
+        try:
+            mine = len(loader)  # type: ignore[arg-type]
+        except TypeError:
+            raise DataError(explain("SiteData.train_loader(rank, world_size)",
+                                    type(loader).__name__, "must have a length (len(loader))",
+                                    "return a torch DataLoader over a sized dataset")) from None
+        loader_steps = -(-_shortest(comm, mine, job.timeout) // m)
+    steps, examples, loss_sum, epoch_examples = 0, 0, 0.0, 0
     epoch_seconds: list[float] = []
     fault = job.fault if job.fault is not None and job.fault.rank == rank else None
     t_start = time.perf_counter()
     try:
-        for epoch in range(job.epochs):
+        for epoch in range(settings.epochs):
             t_epoch = time.perf_counter()
-            for idx in batches(len(y), job.batch_size, epoch=epoch, seed=job.seed):
+            plan = (_dataset_steps(site_data, settings, epoch, rank, k_workers, m)
+                    if site_data.train is not None
+                    else _loader_steps(loader, loader_steps, k_workers, m))
+            for micro in plan:
                 beat("compute", steps)
                 if fault is not None and steps == fault.step:
                     _strike(fault, rank, stop, in_process)
-                n_global = len(idx)
-                mine = np.array_split(idx, k_workers)[rank]
-                micro = [mb for mb in np.array_split(mine, m) if len(mb)]
                 opt.zero_grad(set_to_none=True)
-                reducer.begin_step()
-                for j, mb in enumerate(micro):
-                    reducer.set_sync(j == len(micro) - 1)
-                    ib = torch.from_numpy(mb)
-                    xb, yb = xt[ib].to(device), yt[ib].to(device)
-                    loss = loss_fn(model(xb), yb) / n_global
-                    loss.backward()
-                    loss_sum += float(loss.detach()) * n_global
-                    examples += len(mb)
-                beat("comm", steps)
-                reducer.finish_step()
+                if reducer is not None:
+                    reducer.begin_step()
+                ctx = StepContext(config=settings.config, global_params=global_params,
+                                  server_round=settings.server_round, epoch=epoch, step=steps,
+                                  rank=rank, world_size=k_workers, device=device)
+                for j, (batch, scale, n) in enumerate(micro):
+                    if reducer is not None:
+                        reducer.set_sync(j == len(micro) - 1)
+                    loss = step_fn(model, to_device(batch, device), ctx)
+                    torch.autograd.backward(loss * scale)
+                    loss_sum += float(loss.detach()) * n
+                    examples += n
+                    if epoch == 0:
+                        epoch_examples += n
+                if reducer is not None:
+                    beat("comm", steps)
+                    reducer.finish_step()
                 opt.step()
                 steps += 1
             epoch_seconds.append(time.perf_counter() - t_epoch)
@@ -211,26 +285,29 @@ def train_worker(
             _strike(fault, rank, stop, in_process)
         beat("done", steps)
     finally:
-        reducer.close()
+        if reducer is not None:
+            reducer.close()
     train_seconds = time.perf_counter() - t_start
     model.to("cpu")
     weights = get_weights(model)
-    st = reducer.stats
+    st = reducer.stats if reducer is not None else None
+    wait = st.wait_seconds if st is not None else 0.0
     return WorkerResult(
         rank=rank, digest=weights_digest(weights), weights=weights if rank == 0 else None,
         examples=examples, loss_sum=loss_sum, steps=steps, train_seconds=train_seconds,
-        compute_seconds=max(0.0, train_seconds - st.wait_seconds), comm_seconds=st.comm_seconds,
-        wait_seconds=st.wait_seconds, bytes_allreduced=st.bytes_allreduced,
-        bytes_sent=st.bytes_sent, allreduce_calls=st.calls, buckets=reducer.num_buckets,
-        epoch_seconds=epoch_seconds,
+        compute_seconds=max(0.0, train_seconds - wait),
+        comm_seconds=st.comm_seconds if st is not None else 0.0, wait_seconds=wait,
+        bytes_allreduced=st.bytes_allreduced if st is not None else 0,
+        bytes_sent=st.bytes_sent if st is not None else 0,
+        allreduce_calls=st.calls if st is not None else 0,
+        buckets=reducer.num_buckets if reducer is not None else 0,
+        epoch_seconds=epoch_seconds, epoch_examples=epoch_examples,
     )
 
 
 # -- process mode ------------------------------------------------------------------------------
 
 JOB_FILE = "job.pkl"
-X_FILE = "x.npy"
-Y_FILE = "y.npy"
 
 
 def result_file(job_dir: Path, rank: int) -> Path:
@@ -273,8 +350,6 @@ def main(argv: list[str] | None = None) -> int:
             threading.Thread(target=_watch_parent, args=(job.parent_pid,), daemon=True).start()
         if job.threads:
             torch.set_num_threads(job.threads)
-        x = np.load(job_dir / X_FILE, mmap_mode="c")
-        y = np.load(job_dir / Y_FILE, mmap_mode="c")
         counter = [0]
 
         def progress(phase: str, step: int) -> None:
@@ -292,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         comm = torch_dist.init_process_group(rank, world, port=job.port, backend=backend,
                                              timeout=job.timeout)
         try:
-            result = train_worker(job, comm, x, y, progress=progress)
+            result = train_worker(job, comm, progress=progress)
         finally:
             torch_dist.destroy_process_group()
         _atomic_write(result_file(job_dir, rank), pickle.dumps(result))

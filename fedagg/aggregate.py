@@ -22,6 +22,7 @@ from fedagg.errors import ConfigError, UpdateRejected, explain
 
 __all__ = [
     "ServerOptimizer",
+    "cast_update",
     "check_update",
     "global_norm",
     "subtract",
@@ -102,6 +103,46 @@ def global_norm(arrays: Sequence[npt.NDArray[np.floating]]) -> float:
     return float(
         np.sqrt(sum(float(np.sum(np.square(np.asarray(a, dtype=np.float64)))) for a in arrays))
     )
+
+
+def cast_update(
+    update: Sequence[npt.NDArray[np.generic]],
+    reference: Sequence[npt.NDArray[np.generic]],
+    *,
+    strict: bool = False,
+    site: str = "site",
+) -> list[npt.NDArray[np.generic]]:
+    """A site update in the global model's dtypes: floats of another precision are cast.
+
+    Flower's FedAvg averages whatever float dtype a site sends; fedagg casts a float update to
+    the model's float dtype (a float64 reply to a float32 model becomes float32), and leaves
+    everything else to :func:`check_update`. With ``strict`` any dtype difference is refused.
+
+    Raises
+    ------
+    UpdateRejected
+        ``strict`` and a dtype differs.
+    """
+    out = []
+    for j, (u, r) in enumerate(zip(update, reference, strict=False)):
+        if u.dtype == r.dtype:
+            out.append(u)
+        elif strict:
+            raise UpdateRejected(
+                explain(
+                    f"{site}.arrays[{j}].dtype",
+                    str(u.dtype),
+                    f"must equal {r.dtype} (strict_dtypes)",
+                    "send the dtype the server sent, or turn strict_dtypes off",
+                )
+            )
+        elif np.issubdtype(u.dtype, np.floating) and np.issubdtype(r.dtype, np.floating):
+            with np.errstate(over="ignore"):
+                out.append(u.astype(r.dtype))  # overflow to inf is caught by check_update
+        else:
+            out.append(u)
+    out.extend(update[len(out):])
+    return out
 
 
 def check_update(

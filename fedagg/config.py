@@ -67,6 +67,12 @@ class RunSection(_Section):
     fraction_train: float = Field(
         1.0, gt=0.0, le=1.0, description="Fraction of sites sampled per round."
     )
+    fraction_evaluate: float = Field(
+        0.0, ge=0.0, le=1.0,
+        description="Fraction of sites asked to evaluate the global model on their held-out "
+        "split each round (federated evaluation; 0 = only the server's centralized evaluation; "
+        "Flower's FedAvg defaults to 1.0).",
+    )
     min_sites: int = Field(
         1, ge=1, description="Fewer replying sites than this aborts the round (model unchanged)."
     )
@@ -127,13 +133,19 @@ class DataConfig(_Section):
     max_train_examples: int | None = Field(
         None, ge=1, description="Use only the first N training examples (quick runs)."
     )
+    eval_fraction: float = Field(
+        0.1, ge=0, lt=1,
+        description="Held-out share of each site's partition, used by client-side evaluation "
+        "(seeded split; 0 = no held-out split: evaluate messages are refused).",
+    )
 
 
 class ModelConfig(_Section):
     """Model architecture."""
 
-    name: Literal["mlp", "2nn", "cnn", "logreg"] = Field(
-        "mlp", description="Reference model name ('2nn': McMahan et al. 2017's 784-200-200-10)."
+    name: Literal["mlp", "2nn", "cnn", "logreg", "resnet"] = Field(
+        "mlp", description="Reference model name ('2nn': McMahan et al. 2017's 784-200-200-10; "
+        "'resnet': a ResNet-10 with GroupNorm, 1.2M parameters, where data parallelism pays)."
     )
 
 
@@ -150,7 +162,15 @@ class StrategyConfig(_Section):
     """Server-side aggregation strategy."""
 
     name: str = Field(
-        "fedavg", description="Strategy name from the registry (built-ins or plugins)."
+        "fedavg",
+        description="Aggregation strategy: 'fedavg', a plugin's registered name, or one of "
+        "Flower's strategies as 'flwr:<Class>' (e.g. 'flwr:FedAdam', options in "
+        "[strategy.options]); 'secure' and 'compressed' are fedavg with that wrapper.",
+    )
+    secure: bool = Field(
+        False,
+        description="Wrap the strategy in secure aggregation (SecAgg+; linear strategies "
+        "only). 'strategy.name = \"secure\"' is fedavg with this on.",
     )
     server_optimizer: Literal["none", "sgd", "momentum", "adam"] = Field(
         "none", description="Optimizer applied to the aggregated delta (FedOpt, Reddi et al. 2021)."
@@ -164,7 +184,8 @@ class StrategyConfig(_Section):
     )
     options: dict[str, Any] = Field(
         default_factory=dict,
-        description="Options for a plugin strategy, validated by its own config model.",
+        description="Options of the strategy: a plugin's (validated by its config model) or "
+        "the keyword arguments of a Flower strategy (validated against its signature).",
     )
 
 

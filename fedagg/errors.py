@@ -19,7 +19,8 @@ deliberately opaque: they say *that* verification failed, never *why*.
      │    ├── AbortRound                            the round cannot complete (too few survivors)
      │    └── VerificationError                     tampered / forged data (opaque message)
      ├── WorkerError                                a local worker of a site crashed or hung
-     └── CheckpointError                            unreadable or mismatched checkpoint
+     ├── CheckpointError                            unreadable or mismatched checkpoint
+     └── RunFailed                                  a run in which no round changed the model
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ __all__ = [
     "FedaggError",
     "ProtocolError",
     "RegistryError",
+    "RunFailed",
     "UpdateRejected",
     "VerificationError",
     "WorkerError",
@@ -126,3 +128,16 @@ class WorkerError(FedaggError):
 
 class CheckpointError(FedaggError):
     """A checkpoint is unreadable, incomplete, or belongs to a different configuration."""
+
+
+class RunFailed(FedaggError):
+    """A run ended in which no round aggregated anything (every reply failed or was refused).
+
+    ``fedagg simulate`` exits non-zero, and the ServerApp raises it so ``flwr run`` reports a
+    failed run; the message summarises each round's reasons. :attr:`records` holds the run's
+    per-round records (as written to metrics.json).
+    """
+
+    def __init__(self, message: str, records: list[dict[str, object]] | None = None) -> None:
+        super().__init__(message)
+        self.records = list(records or [])

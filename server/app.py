@@ -18,7 +18,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedagg.config import RunConfig, unflatten, validate_model
-from server.runner import RoundCallback, run_server
+from server.runner import EvaluateFn, ModelFn, RoundCallback, run_server
 
 __all__ = ["app", "config_from_run_config", "make_app", "new_run_dir"]
 
@@ -51,8 +51,14 @@ def make_app(
     run_dir: str | Path | None = None,
     *,
     on_round: RoundCallback | None = None,
+    model_fn: ModelFn | None = None,
+    evaluate_fn: EvaluateFn | None = None,
 ) -> ServerApp:
-    """A ServerApp bound to ``cfg`` (``fedagg simulate``), or reading Flower's run config."""
+    """A ServerApp bound to ``cfg`` (``fedagg simulate``), or reading Flower's run config.
+
+    ``model_fn`` / ``evaluate_fn``: the user's model factory and centralized evaluation (see
+    :func:`server.runner.run_server`); the built-in model and test split by default.
+    """
     server_app = ServerApp()
 
     @server_app.main()
@@ -65,9 +71,34 @@ def make_app(
         else:
             out = new_run_dir(run_cfg)
         _log.info("fedagg run writing to %s", out)
-        run_server(grid, run_cfg, out, on_round=on_round)
+        run_server(grid, run_cfg, out,
+                   on_round=on_round if on_round is not None else _round_logger(run_cfg.run.rounds),
+                   model_fn=model_fn, evaluate_fn=evaluate_fn)
 
     return server_app
+
+
+# One INFO line per round for `flwr run .`, through Flower's logger (a child of "flwr"), so it
+# shows wherever Flower's own lines do (`flwr run --stream`, `flwr log`); `fedagg simulate`
+# passes its own on_round instead.
+_round_log = logging.getLogger("flwr").getChild("fedagg")
+
+
+def _round_logger(total: int) -> RoundCallback:
+    """An ``on_round`` callback that logs a one-line summary of each round record."""
+
+    def log_round(rec: dict[str, Any]) -> None:
+        acc, loss = rec.get("accuracy"), rec.get("loss")
+        _round_log.info(
+            "fedagg round %s/%d: accuracy %s, loss %s, sites %s/%s, up %.3f MB, down %.3f MB, %.2f s",
+            rec.get("round"), total,
+            "-" if acc is None else f"{acc:.4f}", "-" if loss is None else f"{loss:.4f}",
+            rec.get("sites_replied", "-"), rec.get("sites_sampled", "-"),
+            (rec.get("bytes_up") or 0) / 1e6, (rec.get("bytes_down") or 0) / 1e6,
+            rec.get("seconds") or 0.0,
+        )
+
+    return log_round
 
 
 app = make_app()

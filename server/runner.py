@@ -25,20 +25,24 @@ from flwr.serverapp import Grid
 
 from fedagg.config import RunConfig, config_hash
 from fedagg.data import load_dataset
-from fedagg.errors import CheckpointError, ConfigError, explain
+from fedagg.errors import CheckpointError, ConfigError, RunFailed, explain
 from fedagg.models import build_model, set_weights
 from fedagg.report import atomic_write_bytes, write_metrics, write_plot
 from fedagg.training import evaluate
 from server.checkpoint import config_diff, load_checkpoint, save_checkpoint
-from strategies._records import arrays_to_record, config_to_record, record_to_arrays
-from strategies.base import run_train_round
+from strategies.base import RoundResult, run_evaluate_round, run_train_round
 from strategies.registry import build_strategy
+from strategies.wire import arrays_to_record, config_to_record, record_to_arrays
 
 __all__ = ["RoundCallback", "client_config", "run_server"]
 
 _log = logging.getLogger(__name__)
 
 RoundCallback = Callable[[dict[str, Any]], None]
+ModelFn = Callable[[], Any]
+"""``() -> torch.nn.Module``: the run's model (initial weights and outputs)."""
+EvaluateFn = Callable[[ArrayRecord], tuple[float, float] | None]
+"""``arrays -> (loss, accuracy)`` of the global model on the server's data, or None."""
 
 _CLIENT_SECTIONS = ("data", "model", "train", "site", "compression", "secagg", "faults")
 
@@ -100,28 +104,91 @@ def client_config(cfg: RunConfig) -> ConfigRecord:
     return config_to_record(nested)
 
 
-def run_server(
-    grid: Grid, cfg: RunConfig, run_dir: str | Path | None, *, on_round: RoundCallback | None = None
-) -> list[dict[str, Any]]:
-    """Run ``cfg.run.rounds`` rounds; return the per-round records (also written to run_dir)."""
-    ds = load_dataset(
-        cfg.data.dataset,
-        data_dir=cfg.data.data_dir,
-        test_fraction=cfg.data.test_fraction,
-        seed=cfg.run.seed,
-    )
-    model = build_model(cfg.model.name, ds.input_shape, ds.num_classes, seed=cfg.run.seed)
+def _initial(cfg: RunConfig, model_fn: ModelFn | None) -> tuple[Any, list[str], ArrayRecord]:
+    """The run's model (built-in unless ``model_fn``), its keys and initial arrays."""
+    if model_fn is not None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.run.seed)
+            model = model_fn()
+    else:
+        ds = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir,
+                          test_fraction=cfg.data.test_fraction, seed=cfg.run.seed)
+        model = build_model(cfg.model.name, ds.input_shape, ds.num_classes, seed=cfg.run.seed)
     keys = list(model.state_dict().keys())
-    arrays = arrays_to_record(
-        [t.detach().numpy().copy() for t in model.state_dict().values()], keys
-    )
+    arrays = arrays_to_record([t.detach().cpu().numpy().copy()
+                               for t in model.state_dict().values()], keys)
+    return model, keys, arrays
+
+
+def _finite(arrays: ArrayRecord) -> bool:
+    """Whether every float array of the model is finite (the model-integrity backstop)."""
+    for a in record_to_arrays(arrays, copy=False)[1]:
+        if np.issubdtype(a.dtype, np.floating) and not np.isfinite(np.sum(a, dtype=np.float64)):
+            return False
+    return True
+
+
+def round_summary(rnd: int, result: RoundResult) -> str:
+    """One line naming why a round aggregated nothing (rejections, errors, missing replies)."""
+    reasons = {**result.errors, **result.rejected}
+    if result.aborted:
+        why = result.aborted
+    elif not result.sampled:
+        why = "no site was sampled (or the round was aborted before training)"
+    elif not reasons:
+        why = "the strategy returned no model"
+    else:
+        parts = [f"node {n}: {r.splitlines()[0][:200]}" for n, r in sorted(reasons.items())[:5]]
+        more = len(reasons) - len(parts)
+        why = "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+    return (f"round {rnd}: nothing aggregated ({result.replies} of {result.sampled} sites "
+            f"replied): {why}")
+
+
+def run_server(
+    grid: Grid, cfg: RunConfig, run_dir: str | Path | None, *, on_round: RoundCallback | None = None,
+    model_fn: ModelFn | None = None, evaluate_fn: EvaluateFn | None = None,
+) -> list[dict[str, Any]]:
+    """Run ``cfg.run.rounds`` rounds; return the per-round records (also written to run_dir).
+
+    Parameters
+    ----------
+    grid : Grid
+        Flower's Grid (simulation or deployment).
+    cfg : RunConfig
+        The run.
+    run_dir : path, optional
+        Where metrics, checkpoints and the final model go.
+    on_round : callable, optional
+        Called with every round's record.
+    model_fn : callable, optional
+        The user's model factory (the same as the sites' ``Task.model``); default: the
+        built-in ``model.name``.
+    evaluate_fn : callable, optional
+        Centralized evaluation of the global model; default: the built-in data set's test
+        split (with the built-in model), none with ``model_fn``.
+
+    Raises
+    ------
+    RunFailed
+        No round aggregated anything (after writing the outputs): each round's reasons.
+    """
+    model, keys, arrays = _initial(cfg, model_fn)
     strategy = build_strategy(cfg)
     out = Path(run_dir) if run_dir else None
+    central_eval: EvaluateFn | None = evaluate_fn
+    if central_eval is None and model_fn is None:
+        ds = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir,
+                          test_fraction=cfg.data.test_fraction, seed=cfg.run.seed)
 
-    def central_eval(rec: ArrayRecord) -> tuple[float, float]:
-        _, weights = record_to_arrays(rec)
-        set_weights(model, weights)
-        return evaluate(model, ds.x_test, ds.y_test)
+        def central_eval(rec: ArrayRecord) -> tuple[float, float] | None:
+            _, weights = record_to_arrays(rec)
+            set_weights(model, weights)
+            return evaluate(model, ds.x_test, ds.y_test)
+
+    def evaluated(rec: ArrayRecord) -> tuple[float | None, float | None]:
+        res = central_eval(rec) if central_eval is not None else None
+        return (None, None) if res is None else (float(res[0]), float(res[1]))
 
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -161,7 +228,7 @@ def run_server(
             if on_round:
                 on_round(old)
     else:
-        loss0, acc0 = central_eval(arrays)
+        loss0, acc0 = evaluated(arrays)
         records = [
             {
                 "round": 0,
@@ -192,14 +259,24 @@ def run_server(
     wait_for_sites(grid, cfg)
     if start == 1:
         checkpoint(0)
+    summaries: list[str] = []
+    updated_any = any(r.get("model_updated") for r in records[1:])
     for rnd in range(start, cfg.run.rounds + 1):
         t0 = time.perf_counter()
-        result = run_train_round(
-            strategy, grid, rnd, arrays, client_config(cfg), round_deadline(cfg, rnd)
-        )
+        result = run_train_round(strategy, grid, rnd, arrays, client_config(cfg),
+                                 round_deadline(cfg, rnd), retries=cfg.run.retries)
         _test_kill_point(rnd, "after-train")
+        if result.arrays is not None and not _finite(result.arrays):
+            result.rejected["server"] = ("the aggregated model is not finite: it was not "
+                                         "committed (global model unchanged)")
+            _log.error("round %d: %s", rnd, result.rejected["server"])
+            result.arrays = None
         if result.arrays is not None:
             arrays = result.arrays
+            updated_any = True
+        else:
+            summaries.append(round_summary(rnd, result))
+            _log.warning("%s", summaries[-1])
         t1 = time.perf_counter()
         rec: dict[str, Any] = {
             "round": rnd,
@@ -208,8 +285,13 @@ def run_server(
             "model_digest": model_digest(arrays),
         }
         if rnd % cfg.run.evaluate_every == 0 or rnd == cfg.run.rounds:
-            loss, acc = central_eval(arrays)
+            loss, acc = evaluated(arrays)
             rec.update(accuracy=acc, loss=loss)
+        fed = run_evaluate_round(strategy, grid, rnd, arrays, client_config(cfg),
+                                 round_deadline(cfg, rnd))
+        if fed is not None:
+            rec["federated_eval"] = {k: v for k, v in fed.items()
+                                     if isinstance(v, int | float)}
         rec.update(
             bytes_up=result.bytes_up,
             bytes_down=result.bytes_down,
@@ -224,7 +306,8 @@ def run_server(
             seconds_eval=time.perf_counter() - t1,
         )
         if result.metrics is not None:
-            rec["train_loss"] = result.metrics.get("train-loss")
+            loss_value = result.metrics.get("train_loss", result.metrics.get("train-loss"))
+            rec["train_loss"] = loss_value
             rec.update(
                 {
                     k.replace("-", "_"): v
@@ -235,13 +318,17 @@ def run_server(
         for phase, sec in result.seconds.items():
             rec[f"seconds_{phase}"] = sec
         site_metrics = getattr(strategy, "last_site_metrics", None)
-        if site_metrics:  # per site (by partition id): compute / comm seconds, bytes all-reduced, ...
+        if site_metrics:  # per site (by partition id): compute / comm seconds, bytes all-reduced
             rec["site_metrics"] = dict(site_metrics)
         accepted = getattr(strategy, "last_accepted", None)
         if accepted is not None:
             rec["sites"] = list(accepted)
         if result.rejected:
             rec["rejected"] = result.rejected
+        if result.errors:
+            rec["errors"] = result.errors
+        if result.arrays is None:
+            rec["summary"] = summaries[-1]
         records.append(rec)
         if out is not None:
             write_metrics(out, records)
@@ -253,9 +340,14 @@ def run_server(
         _, final = record_to_arrays(arrays)
         named: dict[str, Any] = dict(zip(keys, final, strict=True))
         np.savez(out / "model.npz", **named)
-        set_weights(model, final)
+        from fedagg.task import set_weights as load_arrays
+
+        load_arrays(model, final)
         buf_path = out / "model.pt"
         torch.save(model.state_dict(), buf_path.with_suffix(".pt.tmp"))
         buf_path.with_suffix(".pt.tmp").replace(buf_path)
         write_plot(out, records, title=f"{cfg.run.name}: {cfg.strategy.name} on {cfg.data.dataset}")
+    if not updated_any and cfg.run.rounds >= start:
+        raise RunFailed("no round of the run changed the global model:\n  "
+                        + "\n  ".join(summaries[-10:]), records)
     return records

@@ -1,27 +1,31 @@
-"""Secure aggregation (SecAgg+) over Flower: the server learns only the weighted mean update.
+"""Secure aggregation (SecAgg+) around any linear strategy: the server learns only the sum.
 
-:class:`SecureAggregation` wraps an aggregation strategy (``inner``, fedagg's
-:class:`~strategies.fedavg.FedAvg` by default) and drives the stages of the Flower-free core
-(:class:`fedagg.secagg.ServerState`) over the :class:`~flwr.serverapp.Grid`. The sites run the
-other half as a ClientApp mod (:func:`clients.secure.secure_mod`), the last step before the
-upload. Each site uploads ``w * (new - global)`` and its weight ``w`` (examples), both masked;
-the server unmasks only their sums and applies the weighted mean delta through the inner
-strategy's server optimizer, so with ``server_optimizer = "none"`` the new model is the
-plaintext FedAvg of the counted sites (up to the fixed-point error, reported per round).
+``SecureAggregation(inner)`` drives the stages of the Flower-free core
+(:class:`fedagg.secagg.ServerState`) over the Grid it is given, inside Flower's own protocol,
+so it runs under ``Strategy.start()`` in a stock ServerApp and under fedagg's server loop:
 
-Exchanges (message types; see docs/protocols/secagg.md, "Flower mapping"):
+=============  ===================  ======================================================
+Flower call    stages               what travels (every message is a ``train`` message)
+=============  ===================  ======================================================
+configure      S1 ``advertise``,    key setup, first round or when membership changes: two
+_train         S2 ``share-keys``    exchanges run here; then the train messages are returned:
+                                    the inner strategy's messages + ``RoundRequest``
+(Flower)       R1 ``upload``        sites train and reply with a ``MaskedUpload``
+aggregate      R2 ``unmask``        one exchange run here; the unmasked weighted mean delta
+_train                              goes to the inner strategy, which applies it
+=============  ===================  ======================================================
 
-=====  ==========================  ==========================================================
-S1     ``query.secagg_advertise``  key setup: first round, or when membership changes
-S2     ``query.secagg_share_keys``
-R1     ``train``                   global model + RoundRequest -> MaskedUpload (uint32 array)
-R2     ``query.secagg_unmask``     UnmaskRequest -> UnmaskResponse (shares)
-=====  ==========================  ==========================================================
+Each site uploads ``w * (new - global)`` and its weight ``w`` (examples), both masked; the
+server unmasks only their sums. The inner strategy samples the sites (``configure_train``) and
+applies the mean (fedagg's FedAvg with its server optimizer, or a Flower strategy such as
+FedAdam through one synthetic reply carrying the mean model, :mod:`strategies.wrapper`), so
+the aggregate must be a weighted mean: non-linear strategies (Krum, FedMedian, a trimmed mean)
+are refused with the reason (:func:`strategies.wrapper.is_linear`).
 
 A site that fails or misses the deadline before its upload is removed (its pairwise masks are
 rebuilt from ``t`` shares); one that fails after uploading is still counted. When a needed
 secret has fewer than ``t`` live holders the round aborts: the global model stays as it was,
-and the run continues with the next round.
+and the run continues with the next round. See docs/protocols/secagg.md.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
 
 from fedagg.config import RunConfig, SecAggConfig
 from fedagg.errors import AbortRound, ConfigError, ProtocolError, VerificationError, explain
@@ -47,218 +52,209 @@ from fedagg.secagg import (
     UnmaskResponse,
 )
 from fedagg.secagg import Message as SecAggMessage
-from strategies._compression import (
-    INSTRUCTION_KEY,
-    PREVIOUS_KEY,
-    Instruction,
-    flat_difference,
-    round_compressor,
-    shared_support,
-    stage_names,
-)
-from strategies._records import arrays_to_record, message_nbytes, record_to_arrays
-from strategies._secagg_records import PARAMS_KEY, SiteIndex, pack, params_to_record, unpack
-from strategies._secure_params import (
-    Exchange as _Exchange,
-)
-from strategies._secure_params import (
+from fedagg.update import SupportHistory, UploadSpec, densify
+from strategies.base import exchange
+from strategies.fedavg import FedAvg
+from strategies.secure_params import (
     check_aggregate,
     flatten_arrays,
     resolve_params,
-    secure_spec,
     unflatten_like,
 )
-from strategies.base import FedaggStrategy, RoundResult, exchange
-from strategies.fedavg import FedAvg
+from strategies.wire import (
+    INSTRUCTION_KEY,
+    PARAMS_KEY,
+    PREVIOUS_KEY,
+    Instruction,
+    SiteIndex,
+    arrays_to_record,
+    message_nbytes,
+    pack,
+    params_to_record,
+    record_to_arrays,
+    unpack,
+)
+from strategies.wrapper import StrategyWrapper, inner_aggregate, is_linear
 
-__all__ = [
-    "ADVERTISE",
-    "SHARE_KEYS",
-    "UNMASK",
-    "SecureAggregation",
-    "flatten_arrays",
-    "resolve_params",
-    "secure_spec",
-    "unflatten_like",
-]
+__all__ = ["SecureAggregation", "flatten_arrays", "resolve_params", "unflatten_like"]
 
 _log = logging.getLogger(__name__)
 
-ADVERTISE = f"{MessageType.QUERY}.secagg_advertise"
-SHARE_KEYS = f"{MessageType.QUERY}.secagg_share_keys"
-UNMASK = f"{MessageType.QUERY}.secagg_unmask"
 
-
-class SecureAggregation(FedaggStrategy):
-    """SecAgg+ around an aggregation strategy (``strategy.name = "secure"``).
+class SecureAggregation(StrategyWrapper):
+    """SecAgg+ around a linear aggregation strategy.
 
     Parameters
     ----------
-    inner : FedAvg, optional
-        Samples the sites, holds the server optimizer and evaluates; fedagg's FedAvg when
-        omitted. Its ``aggregate_train`` is never called: the server never sees a single
-        update in the clear.
+    inner : Strategy, optional
+        Samples the sites, writes their config, applies the mean and evaluates: fedagg's
+        :class:`~strategies.FedAvg` (default), a plugin declaring ``aggregates_linearly``, or
+        one of Flower's FedAvg, FedAvgM, FedProx, FedAdam, FedYogi, FedAdagrad. It never sees
+        a single update in the clear.
     secagg : SecAggConfig, optional
-        Threshold, neighbours, clip range, fractional bits, weight bound, timeout.
+        Threshold, neighbours, clip range, precision, timeout, threads.
     config_key : str
-        Name of the ConfigRecord with the run config in every message (as the ClientApp
-        expects).
+        Name of the ConfigRecord with the round config in every message.
     run_id : bytes, optional
         Bound into every derived key; 16 random bytes when omitted.
     up, support : str
-        ``compression.up`` / ``compression.support``. With a public support (``random``,
+        ``compression.up`` / ``compression.support``: with a public support (``random``,
         ``block``, ``topk-aggregate``) each site sends only its masked values on the round's
         support (``k`` values + weight, no index bytes) and keeps the rest in its
-        error-feedback residual; see :func:`secure_spec` for what is refused.
+        error-feedback residual; own-index sparsifiers and quantizers are refused (see
+        :class:`fedagg.update.UploadSpec`).
     run_seed : int
-        ``run.seed``: the public seed of the supports (as :class:`~strategies.compressed.
-        CompressedFedAvg` uses it, so both agree on the support of a round).
+        ``run.seed``: the public seed of the supports.
+    max_update_norm : float, optional
+        Refuse an unmasked mean delta with a larger L2 norm (default: the inner strategy's).
     state_namespace : str
         Suffix of the sites' compression state keys in ``Context.state``.
+    upload_timeout : float
+        Lifetime of the upload messages (the round's deadline; fedagg's loop and
+        ``Strategy.start()`` wait for the replies with their own timeout).
+
+    Raises
+    ------
+    ConfigError
+        ``inner`` is not linear, or the spec cannot run under secure aggregation.
     """
 
-    def __init__(self, inner: FedAvg | None = None, *, secagg: SecAggConfig | None = None,
+    allows_retries = False  # a secure-aggregation message must never be answered twice
+
+    def __init__(self, inner: Strategy | None = None, *, secagg: SecAggConfig | None = None,
                  config_key: str = "config", run_id: bytes | None = None, up: str = "none",
-                 support: str = "own", run_seed: int = 0, state_namespace: str = "") -> None:
-        self.inner = inner if inner is not None else FedAvg()
-        if not isinstance(self.inner, FedAvg):
-            raise ConfigError(explain("inner", type(self.inner).__name__,
-                                      "secure aggregation wraps fedagg's FedAvg (or a subclass)",
-                                      "pass strategies.fedavg.FedAvg(...)"))
+                 support: str = "random", run_seed: int = 0,
+                 max_update_norm: float | None = None, state_namespace: str = "",
+                 upload_timeout: float = 600.0) -> None:
+        super().__init__(inner if inner is not None else FedAvg())
+        self.upload_timeout = float(upload_timeout)
+        ok, why = is_linear(self.inner)
+        if not ok:
+            raise ConfigError(explain(
+                "SecureAggregation(inner)", type(self.inner).__name__,
+                f"secure aggregation reveals only the weighted sum of the updates; {why}",
+                "wrap a linear strategy (FedAvg, FedAvgM, FedProx, FedAdam, FedYogi, "
+                "FedAdagrad), or drop secure aggregation to use this one"))
         self.secagg = secagg if secagg is not None else SecAggConfig()  # type: ignore[call-arg]
         self.config_key = config_key
         self._run_id = run_id if run_id is not None else os.urandom(16)
+        self.spec = UploadSpec.parse(up, support=support, secure=True)
+        self.run_seed = int(run_seed)
+        self.max_update_norm = (max_update_norm if max_update_norm is not None
+                                else getattr(self.inner, "max_update_norm", None))
+        self.state_namespace = state_namespace
+        self.history = SupportHistory(self.spec, self.run_seed)
         self.server: ServerState | None = None
         self.params: SecAggParams | None = None
         self.sites = SiteIndex()
         self._counter = 0
+        self._grid: Grid | None = None
+        self._round: dict[str, Any] | None = None
         self.last_result: Any = None  # fedagg.secagg.RoundResult of the last completed round
-        self.history: list[dict[str, Any]] = []
-        self.spec = secure_spec(up, support)
-        self.support = support
-        self.run_seed = int(run_seed)
-        self.state_namespace = state_namespace
-        self._needs_previous = "aggtopk" in stage_names(self.spec)
-        if self.spec != "none":  # a bad spec fails at start-up, not in round 1 at every site
-            round_compressor(self.spec, run_seed=self.run_seed, server_round=1,
-                             previous_aggregate=None)
-        self._prev_sent: list[np.ndarray] | None = None  # global of the last round sent
-        self._prev_keys: list[str] = []
-        self._prev_round = -1
-        self._fresh: set[int] = set()  # nodes that uploaded in that round (they kept it)
         self.last_support: np.ndarray | None = None
+        self.history_log: list[dict[str, Any]] = []
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
-    def from_config(cls, options: Any, cfg: RunConfig) -> SecureAggregation:
-        """Build from a run config: inner FedAvg from the same config, SecAgg+ from ``[secagg]``.
+    def from_config(cls, options: Any, cfg: RunConfig, inner: Strategy | None = None
+                    ) -> SecureAggregation:
+        """Build from a run config: ``inner`` (fedagg's FedAvg by default) and ``[secagg]``.
 
         Raises
         ------
         ConfigError
             Impossible combinations, explained (too few sites per round, ``t > k``, no
-            fixed-point headroom, own-index sparsifiers or quantizers in ``compression.up``;
-            see :func:`secure_spec`).
+            fixed-point headroom, own-index sparsifiers or quantizers in ``compression.up``).
         """
-        secure_spec(cfg.compression.up, cfg.compression.support)
+        UploadSpec.parse(cfg.compression.up, support=cfg.compression.support,
+                         down=cfg.compression.down, secure=True)
         per_round = max(int(cfg.run.sites * cfg.run.fraction_train), 1)
         try:
             resolve_params(cfg.secagg, per_round, upload_timeout=cfg.run.round_timeout)
         except ConfigError as exc:
-            raise ConfigError(f"{exc} (strategy 'secure' with {per_round} sites per round: "
+            raise ConfigError(f"{exc} (secure aggregation with {per_round} sites per round: "
                               f"run.sites={cfg.run.sites} x run.fraction_train="
                               f"{cfg.run.fraction_train})") from None
-        return cls(FedAvg.from_config(None, cfg), secagg=cfg.secagg, up=cfg.compression.up,
-                   support=cfg.compression.support, run_seed=cfg.run.seed)
-
-    # -- Flower Strategy interface (evaluation is delegated) ----------------------------------
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
-        """Not used: secure rounds need several exchanges, see :meth:`train_round`."""
-        raise NotImplementedError("SecureAggregation drives its exchanges in train_round()")
-
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]
-                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Not used: see :meth:`train_round`."""
-        raise NotImplementedError("SecureAggregation drives its exchanges in train_round()")
-
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                           grid: Grid) -> Iterable[Message]:
-        """Federated evaluation, as the inner strategy does it."""
-        return self.inner.configure_evaluate(server_round, arrays, config, grid)
-
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]
-                           ) -> MetricRecord | None:
-        """Evaluation metrics, as the inner strategy aggregates them."""
-        return self.inner.aggregate_evaluate(server_round, replies)
+        return cls(inner if inner is not None else FedAvg.from_config(None, cfg),
+                   secagg=cfg.secagg, up=cfg.compression.up, support=cfg.compression.support,
+                   run_seed=cfg.run.seed, max_update_norm=cfg.strategy.max_update_norm,
+                   upload_timeout=cfg.run.round_timeout)
 
     def summary(self) -> None:
-        """Log the configuration."""
-        _log.info("SecureAggregation(SecAgg+) around %s: %s", type(self.inner).__name__,
-                  self.secagg)
+        """Log the configuration, then the inner strategy's summary."""
+        _log.info("SecureAggregation(SecAgg+, up=%r) around %s: %s", self.spec.up,
+                  type(self.inner).__name__, self.secagg)
+        self.inner.summary()
 
-    def state_dict(self) -> dict[str, Any]:
-        """Server-optimizer state (the protocol state is not checkpointed: a restart re-keys)."""
-        return self.inner.state_dict()
+    @property
+    def last_accepted(self) -> list[int] | None:
+        """Not known under secure aggregation (no site is seen on its own)."""
+        return None
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output."""
-        self.inner.load_state_dict(state)
+    @property
+    def last_site_metrics(self) -> dict[str, dict[str, float]]:
+        """Nothing per site in the clear."""
+        return {}
 
-    # -- messaging helpers --------------------------------------------------------------------
-    def _message(self, grid: Grid, node: int, site: int, kind: str, body: SecAggMessage,
+    # -- messaging ------------------------------------------------------------------------------
+    def _message(self, node: int, site: int, stage: str, body: SecAggMessage,
                  config: ConfigRecord, group: str, ttl: float,
                  extra: dict[str, Any] | None = None) -> Message:
         assert self.params is not None
         content = RecordDict(dict(extra or {}))
         content[self.config_key] = config
-        content[PARAMS_KEY] = params_to_record(self.params, site)
+        content[PARAMS_KEY] = params_to_record(self.params, site, stage)
         pack(content, body)
-        return grid.create_message(content, kind, node, group, ttl=ttl)
+        return Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN,
+                       group_id=group, ttl=ttl)
 
-    def _exchange(self, grid: Grid, messages: list[Message], timeout: float, ex: _Exchange,
-                  phase: str) -> list[Message]:
-        """Send, wait until the deadline, keep only genuine replies; count bytes and failures.
+    def _exchange(self, messages: list[Message], timeout: float, phase: str) -> list[Message]:
+        """One exchange of the wrapper's own: deadline, genuine replies only, bytes counted.
 
-        Goes through :func:`strategies.base.exchange` (deadline ``timeout`` seconds from now,
-        no retries: a secure-aggregation message must not be answered twice), so replies are
-        checked by :func:`strategies.base.filter_replies`: a reply to a message of an earlier
-        exchange (replayed or stale), to a message addressed to another node, or a second reply
-        to the same message is refused and recorded in ``rejected``. Error replies and missing
-        replies are failures.
+        Replies are filtered (:func:`strategies.base.filter_replies`): a reply to an earlier
+        exchange's message, to a message addressed to another node, or a second reply is
+        refused and recorded; error and missing replies are failures. No retries: a
+        secure-aggregation message must not be answered twice.
         """
+        log = self.round_log
+        assert self._grid is not None
         t0 = time.perf_counter()
-        if messages:
-            replies, refused, bytes_down, _ = exchange(self, grid, messages, timeout)
-        else:
-            replies, refused, bytes_down = [], {}, 0
-        ex.bytes_down += bytes_down
-        ex.tick(phase, t0)
-        ex.exchanges += 1
+        replies, refused, bytes_down, _ = (exchange(self._grid, messages, timeout) if messages
+                                           else ([], {}, 0, 0))
+        log.bytes_down += bytes_down
+        log.tick(phase, t0)
+        log.exchanges += 1
         for node, why in refused.items():
-            ex.rejected.setdefault(node, f"{phase}: {why}")
+            log.rejected.setdefault(node, f"{phase}: {why}")
+        return self._sort(messages, replies, timeout, phase, count_bytes=True)
+
+    def _sort(self, messages: Sequence[Message], replies: Iterable[Message], timeout: float,
+              phase: str, *, count_bytes: bool) -> list[Message]:
+        log = self.round_log
+        replies = list(replies)
         answered = {r.metadata.src_node_id for r in replies}
-        ok = []
         for m in messages:
             if m.metadata.dst_node_id not in answered:
-                self._fail(ex, m.metadata.dst_node_id, f"{phase}: no reply within {timeout:.0f} s")
+                self._fail(m.metadata.dst_node_id, f"{phase}: no reply within {timeout:.0f} s")
+        ok = []
         for r in replies:
             if r.has_error():
-                self._fail(ex, r.metadata.src_node_id, f"{phase}: {r.error.reason}")
-            else:
+                self._fail(r.metadata.src_node_id, f"{phase}: {r.error.reason}")
+                continue
+            if count_bytes:
                 size = message_nbytes(r)
-                ex.bytes_up += size
-                ex.up[phase] = ex.up.get(phase, 0) + size
-                ok.append(r)
+                log.bytes_up += size
+                log.up[phase] = log.up.get(phase, 0) + size
+            ok.append(r)
         return ok
 
-    def _fail(self, ex: _Exchange, node: int, reason: str) -> None:
-        ex.failed.setdefault(node, reason)
+    def _fail(self, node: int, reason: str) -> None:
+        self.round_log.failed.setdefault(node, reason)
         _log.warning("secure aggregation: node %d dropped (%s)", node, reason)
 
-    def _receive(self, ex: _Exchange, reply: Message, cls: type[Any], site_of: dict[int, int],
-                 accept: Any, phase: str) -> bool:
-        """Parse one reply and hand it to the server state; protocol errors drop the site."""
+    def _receive(self, reply: Message, cls: type[Any], site_of: dict[int, int], accept: Any,
+                 phase: str) -> bool:
+        """Parse one reply and hand it to the server state; a bad one drops only its site."""
         node = reply.metadata.src_node_id
         try:
             msg = unpack(reply.content, cls)
@@ -267,186 +263,50 @@ class SecureAggregation(FedaggStrategy):
                                             f"{site_of.get(node)}", "-"))
             accept(msg)
         except (ProtocolError, VerificationError) as exc:
-            ex.rejected[str(node)] = f"{phase}: {exc}"
-            self._fail(ex, node, f"{phase}: invalid reply: {exc}")
+            self.round_log.rejected[str(node)] = f"{phase}: {exc}"
+            self._fail(node, f"{phase}: invalid reply: {exc}")
             return False
         return True
 
     # -- key setup (two exchanges) -------------------------------------------------------------
-    def _setup(self, grid: Grid, nodes: Sequence[int], config: ConfigRecord, group: str,
-               ex: _Exchange) -> None:
+    def _setup(self, nodes: Sequence[int], config: ConfigRecord, group: str) -> None:
         assert self.server is not None and self.params is not None
         t = self.params.setup_timeout_s
         idx = dict(zip(nodes, self.sites.indices(nodes), strict=True))
         request = self.server.begin_setup(idx.values())
-        msgs = [self._message(grid, n, i, ADVERTISE, request, config, group, t)
+        msgs = [self._message(n, i, "advertise", request, config, group, t)
                 for n, i in idx.items()]
-        for reply in self._exchange(grid, msgs, t, ex, "setup"):
-            self._receive(ex, reply, KeyAdvertise, idx, self.server.receive_advertise, "advertise")
+        for reply in self._exchange(msgs, t, "setup"):
+            self._receive(reply, KeyAdvertise, idx, self.server.receive_advertise, "advertise")
         share_requests = self.server.close_advertise()  # AbortRound when < 2 sites advertised
         node_of = {i: n for n, i in idx.items()}
-        msgs = [self._message(grid, node_of[i], i, SHARE_KEYS, req, config, group, t)
+        msgs = [self._message(node_of[i], i, "share-keys", req, config, group, t)
                 for i, req in share_requests.items()]
-        for reply in self._exchange(grid, msgs, t, ex, "setup"):
-            self._receive(ex, reply, ShareKeys, idx, self.server.receive_share_keys, "share_keys")
+        for reply in self._exchange(msgs, t, "setup"):
+            self._receive(reply, ShareKeys, idx, self.server.receive_share_keys, "share_keys")
         usable = self.server.close_share_keys()
         _log.info("secure aggregation: epoch %d keyed with %d of %d sites", self.server.epoch,
                   len(usable), len(nodes))
 
-    def _ensure_server(self, grid: Grid, round_timeout: float) -> ServerState:
+    def _ensure_server(self, grid: Grid, per_round: int, upload_timeout: float) -> ServerState:
         if self.server is None:
             n = len(list(grid.get_node_ids()))
-            per_round = max(int(n * self.inner.fraction_train), self.inner.min_train_nodes)
-            self.params = resolve_params(self.secagg, min(per_round, n),
-                                         upload_timeout=round_timeout)
+            self.params = resolve_params(self.secagg, min(max(per_round, 1), max(n, 1)),
+                                         upload_timeout=upload_timeout)
             self.server = ServerState(self.params, run_id=self._run_id,
                                       threads=self.secagg.threads)
         return self.server
 
-    # -- one round -----------------------------------------------------------------------------
-    def train_round(self, grid: Grid, server_round: int, arrays: ArrayRecord,
-                    config: ConfigRecord, timeout: float) -> RoundResult:
-        """Key setup if needed, masked upload with training, unmask, apply the mean delta."""
-        ex = _Exchange()
-        t_start = time.perf_counter()
-        server = self._ensure_server(grid, timeout)
-        keys, current = record_to_arrays(arrays)
-        dim = int(sum(np.asarray(a).size for a in current))
-        config = ConfigRecord(dict(config))
-        config["server-round"] = server_round
-        group = str(server_round)
-        nodes = self.inner.sample(grid, server_round, self.inner.fraction_train,
-                                  self.inner.min_train_nodes)
-        site_of = dict(zip(nodes, self.sites.indices(nodes), strict=True))
-        ex.tick("configure", t_start)
-
-        def done(new: ArrayRecord | None, metrics: MetricRecord | None, replies: int,
-                 reason: str = "") -> RoundResult:
-            if new is None:
-                _log.warning("round %d: secure aggregation aborted, global model unchanged: %s",
-                             server_round, reason)
-            self.history.append({"round": server_round, "aborted": new is None, "reason": reason,
-                                 "failed": dict(ex.failed), "exchanges": ex.exchanges,
-                                 "bytes_up": dict(ex.up)})
-            return RoundResult(arrays=new, metrics=metrics, bytes_down=ex.bytes_down,
-                               bytes_up=ex.bytes_up, exchanges=ex.exchanges, sampled=len(nodes),
-                               replies=replies, failures=len(ex.failed), rejected=ex.rejected,
-                               seconds=ex.seconds)
-
-        support = self._round_support(server_round, current, dim)
-        masked_dim = dim if support is None else int(support.size)
-        try:
-            requests = self._open_round(grid, server, nodes, site_of, masked_dim, config, group,
-                                        ex)
-        except (AbortRound, ConfigError) as exc:
-            return done(None, None, 0, str(exc))
-        node_of = {i: n for n, i in site_of.items()}
-        extra = self._train_records(server_round, arrays, keys)
-        msgs = [self._message(grid, node_of[i], i, MessageType.TRAIN, req, config, group, timeout,
-                              self._with_previous(extra, node_of[i]))
-                for i, req in requests.items()]
-        uploaded: set[int] = set()
-        for reply in self._exchange(grid, msgs, timeout, ex, "upload"):
-            if self._receive(ex, reply, MaskedUpload, site_of, server.receive_upload, "upload"):
-                uploaded.add(reply.metadata.src_node_id)
-        if support is not None:  # sites that uploaded now hold this round's model
-            self._prev_sent, self._prev_keys, self._prev_round = list(current), keys, server_round
-            self._fresh = uploaded
-        t0 = time.perf_counter()
-        try:
-            unmask_requests = server.close_uploads()
-        except AbortRound as exc:
-            return done(None, None, 0, str(exc))
-        ex.tick("aggregate", t0)
-        counted = len(unmask_requests)
-        ut = self.params.unmask_timeout_s if self.params else self.secagg.timeout
-        msgs = [self._message(grid, node_of[i], i, UNMASK, req, config, group, ut)
-                for i, req in unmask_requests.items()]
-        for reply in self._exchange(grid, msgs, ut, ex, "unmask"):
-            self._receive(ex, reply, UnmaskResponse, site_of, server.receive_unmask, "unmask")
-        t0 = time.perf_counter()
-        try:
-            result = server.finish_round()
-        except (AbortRound, VerificationError) as exc:
-            ex.tick("aggregate", t0)
-            return done(None, None, counted, f"unmask failed: {exc}")
-        mean = result.mean
-        if support is not None:  # weighted mean of the support values -> dense delta
-            mean = np.zeros(dim, np.float64)
-            mean[support] = result.mean
-        problem = self._check_aggregate(mean)
-        if problem:
-            ex.tick("aggregate", t0)
-            return done(None, None, counted, problem)
-        delta = unflatten_like(mean, current)
-        new = self.inner.optimizer.step(current, delta)
-        new = [np.asarray(n).astype(np.asarray(c).dtype, copy=False)
-               for n, c in zip(new, current, strict=True)]
-        self.last_result = result
-        metrics = MetricRecord({
-            "num-examples": float(result.total_weight),
-            "secagg-counted": len(result.counted), "secagg-dropped": len(result.dropped),
-            "secagg-frac-bits": result.frac_bits, "secagg-error-bound": float(result.error_bound),
-            "secagg-epoch": result.epoch, "secagg-values": int(result.mean.size),
-        })
-        ex.tick("aggregate", t0)
-        _log.info("round %d: secure mean of %d sites (%d dropped before upload), error <= %.2e",
-                  server_round, len(result.counted), len(result.dropped), result.error_bound)
-        return done(arrays_to_record(new, keys), metrics, len(result.counted))
-
-    # -- sparse secure uploads (public support) --------------------------------------------------
-    def _round_support(self, server_round: int, current: Sequence[np.ndarray], dim: int
-                       ) -> np.ndarray | None:
-        """The public support of ``server_round`` (None: dense), as the sites compute it.
-
-        ``topk-aggregate`` uses the previous public aggregate ``global_t - global_{t-1}`` (the
-        model sent now minus the one sent in the last round that opened), like
-        :class:`~strategies.compressed.CompressedFedAvg`; without one, the seeded random
-        support of the same amount.
-        """
-        if self.spec == "none":
-            self.last_support = None
-            return None
-        aggregate = (flat_difference(current, self._prev_sent)
-                     if self._needs_previous and self._prev_sent is not None else None)
-        support = shared_support(self.spec, run_seed=self.run_seed, server_round=server_round,
-                                 previous_aggregate=aggregate, numel=dim)
-        if support is None or support.size < 1:
-            raise ConfigError(explain("compression.up", self.spec,
-                                      "a secure sparse round needs a support of >= 1 position",
-                                      "raise the ratio or k of the sparsifier"))
-        self.last_support = support
-        return support
-
-    def _train_records(self, server_round: int, arrays: ArrayRecord, keys: list[str]
-                       ) -> dict[str, Any]:
-        """Records of the train message besides the protocol ones (model, instruction)."""
-        out: dict[str, Any] = {self.inner.arrayrecord_key: arrays}
-        if self.spec != "none":
-            out[INSTRUCTION_KEY] = Instruction(
-                up=self.spec, run_seed=self.run_seed, server_round=server_round,
-                previous_round=self._prev_round if self._needs_previous else -1,
-                namespace=self.state_namespace).to_record()
-            if self._needs_previous and self._prev_sent is not None:
-                out[PREVIOUS_KEY] = arrays_to_record(self._prev_sent, self._prev_keys)
-        return out
-
-    def _with_previous(self, extra: dict[str, Any], node: int) -> dict[str, Any]:
-        """Only sites that did not upload in the last round get the previous model."""
-        if PREVIOUS_KEY in extra and node in self._fresh:
-            return {k: v for k, v in extra.items() if k != PREVIOUS_KEY}
-        return extra
-
     def _open_round(self, grid: Grid, server: ServerState, nodes: Sequence[int],
-                    site_of: dict[int, int], dim: int, config: ConfigRecord, group: str,
-                    ex: _Exchange) -> dict[int, Any]:
+                    site_of: dict[int, int], dim: int, config: ConfigRecord, group: str
+                    ) -> dict[int, Any]:
         """Re-key when needed and open the round; returns ``{site: RoundRequest}``."""
         sampled = [site_of[n] for n in nodes]
         keyed = False
         if server.epoch == 0 or server.needs_rekey(sampled):
             t0 = time.perf_counter()
-            self._setup(grid, list(grid.get_node_ids()), config, group, ex)
-            ex.tick("setup", t0)
+            self._setup(list(grid.get_node_ids()), config, group)
+            self.round_log.tick("setup", t0)
             keyed = True
         for attempt in (0, 1):
             part = [i for i in sampled if i in set(server.usable_sites)]
@@ -459,12 +319,169 @@ class SecureAggregation(FedaggStrategy):
                 if keyed or attempt:
                     raise
                 t0 = time.perf_counter()
-                self._setup(grid, list(nodes), config, group, ex)
-                ex.tick("setup", t0)
+                self._setup(list(nodes), config, group)
+                self.round_log.tick("setup", t0)
                 keyed = True
         raise AssertionError("unreachable")
 
-    def _check_aggregate(self, mean: np.ndarray) -> str:
-        """Reason to refuse the unmasked mean delta ('' when it is fine)."""
-        return check_aggregate(mean, max_norm=self.inner.max_update_norm,
-                               clip=self.params.clip if self.params is not None else None)
+    # -- Flower's protocol ----------------------------------------------------------------------
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        """Let ``inner`` sample; key the sites if needed; return the masked-upload requests.
+
+        An abort here (too few sites keyed) returns no messages: the round trains nothing and
+        the model stays as it is.
+        """
+        self._new_round()
+        self._grid = grid
+        self._round = None
+        t_start = time.perf_counter()
+        inner_msgs = list(self.inner.configure_train(server_round, arrays, config, grid))
+        keys, current = record_to_arrays(arrays)
+        self.history.advance(server_round, current)
+        if not inner_msgs:
+            return []
+        nodes = [m.metadata.dst_node_id for m in inner_msgs]
+        by_node = {m.metadata.dst_node_id: m for m in inner_msgs}
+        dim = int(sum(np.asarray(a).size for a in current))
+        timeout = self.upload_timeout
+        server = self._ensure_server(grid, len(nodes), timeout)
+        round_config = ConfigRecord(dict(config))
+        round_config["server-round"] = server_round
+        group = str(server_round)
+        site_of = dict(zip(nodes, self.sites.indices(nodes), strict=True))
+        self.round_log.tick("configure", t_start)
+        try:
+            support = self._support(dim)
+            masked_dim = dim if support is None else int(support.size)
+            requests = self._open_round(grid, server, nodes, site_of, masked_dim, round_config,
+                                        group)
+        except (AbortRound, ConfigError) as exc:
+            self._abort(server_round, str(exc))
+            return []
+        node_of = {i: n for n, i in site_of.items()}
+        ttl = self.params.upload_timeout_s if self.params is not None else timeout
+        out = []
+        for i, req in requests.items():
+            node = node_of[i]
+            extra = {k: v for k, v in by_node[node].content.items()
+                     if k != getattr(self.inner, "configrecord_key", "config")}
+            extra.update(self._upload_records(server_round, node, keys))
+            inner_config = by_node[node].content.config_records.get(
+                getattr(self.inner, "configrecord_key", "config"))
+            cfg = ConfigRecord({**dict(inner_config or {}), **dict(round_config)})
+            out.append(self._message(node, i, "upload", req, cfg, group, ttl, extra))
+        self._round = {"round": server_round, "keys": keys, "current": current, "dim": dim,
+                       "support": support, "site_of": site_of, "node_of": node_of,
+                       "config": round_config, "group": group, "messages": out}
+        return out
+
+    def _upload_records(self, server_round: int, node: int, keys: list[str]) -> dict[str, Any]:
+        """The instruction (and the previous model) of a sparse round."""
+        if self.spec.dense:
+            return {}
+        out: dict[str, Any] = {INSTRUCTION_KEY: Instruction(
+            up=self.spec.up, run_seed=self.run_seed, server_round=server_round,
+            previous_round=self.history.previous_round if self.spec.needs_previous else -1,
+            namespace=self.state_namespace, support=self.spec.support).to_record()}
+        if (self.spec.needs_previous and self.history.previous is not None
+                and node not in self.history.fresh):
+            out[PREVIOUS_KEY] = arrays_to_record(self.history.previous, keys)
+        return out
+
+    def _support(self, dim: int) -> np.ndarray | None:
+        """The round's public support (None: dense), as the sites compute it."""
+        if self.spec.dense:
+            self.last_support = None
+            return None
+        support = self.history.support()
+        if support is None or support.size < 1:
+            raise ConfigError(explain("compression.up", self.spec.up,
+                                      "a secure sparse round needs a support of >= 1 position",
+                                      "raise the ratio or k of the sparsifier"))
+        self.last_support = support
+        return support
+
+    def _abort(self, server_round: int, reason: str) -> None:
+        self.round_log.aborted = f"secure aggregation aborted: {reason}"
+        _log.warning("round %d: secure aggregation aborted, global model unchanged: %s",
+                     server_round, reason)
+        self.history_log.append({"round": server_round, "aborted": True, "reason": reason,
+                                 "failed": dict(self.round_log.failed),
+                                 "exchanges": self.round_log.exchanges,
+                                 "bytes_up": dict(self.round_log.up)})
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Take the masked uploads, unmask the sums, hand the mean delta to ``inner``."""
+        r = self._round
+        if r is None or r["round"] != server_round or self.server is None:
+            return None, None  # the round was aborted in configure_train
+        server = self.server
+        site_of, node_of = r["site_of"], r["node_of"]
+        got = self._sort(r["messages"], replies, float(self.secagg.timeout), "upload",
+                         count_bytes=False)
+        uploaded: set[int] = set()
+        for reply in got:
+            if self._receive(reply, MaskedUpload, site_of, server.receive_upload, "upload"):
+                uploaded.add(reply.metadata.src_node_id)
+        self.history.replied(uploaded)
+        t0 = time.perf_counter()
+        try:
+            unmask_requests = server.close_uploads()
+        except AbortRound as exc:
+            self._abort(server_round, str(exc))
+            return None, None
+        self.round_log.tick("aggregate", t0)
+        ut = self.params.unmask_timeout_s if self.params else self.secagg.timeout
+        msgs = [self._message(node_of[i], i, "unmask", req, r["config"], r["group"], ut)
+                for i, req in unmask_requests.items()]
+        for reply in self._exchange(msgs, ut, "unmask"):
+            self._receive(reply, UnmaskResponse, site_of, server.receive_unmask, "unmask")
+        t0 = time.perf_counter()
+        try:
+            result = server.finish_round()
+        except (AbortRound, VerificationError) as exc:
+            self.round_log.tick("aggregate", t0)
+            self._abort(server_round, f"unmask failed: {exc}")
+            return None, None
+        mean = densify(result.mean, r["support"], r["dim"])
+        problem = check_aggregate(mean, max_norm=self.max_update_norm,
+                                  clip=self.params.clip if self.params is not None else None)
+        if problem:
+            self.round_log.tick("aggregate", t0)
+            self._abort(server_round, problem)
+            return None, None
+        current = r["current"]
+        delta = unflatten_like(mean, current)
+        self.last_result = result
+        metrics = {
+            "num-examples": float(result.total_weight),
+            "secagg-counted": len(result.counted), "secagg-dropped": len(result.dropped),
+            "secagg-frac-bits": result.frac_bits, "secagg-error-bound": float(result.error_bound),
+            "secagg-epoch": result.epoch, "secagg-values": int(result.mean.size),
+        }
+        some_reply = got[0] if got else r["messages"][0]
+        new, inner_metrics = inner_aggregate(
+            self.inner, server_round, [(delta, float(result.total_weight), metrics, some_reply)],
+            r["keys"], current, sites=len(result.counted))
+        self.round_log.tick("aggregate", t0)
+        _log.info("round %d: secure mean of %d sites (%d dropped before upload), error <= %.2e",
+                  server_round, len(result.counted), len(result.dropped), result.error_bound)
+        self.history_log.append({"round": server_round, "aborted": new is None, "reason": "",
+                                 "failed": dict(self.round_log.failed),
+                                 "exchanges": self.round_log.exchanges,
+                                 "bytes_up": dict(self.round_log.up)})
+        if new is None:
+            return None, None
+        out = MetricRecord({k: v for k, v in metrics.items()})
+        for k, v in (inner_metrics or {}).items():
+            if k not in out:
+                out[k] = v
+        return new, out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner strategy's state (the protocol state is not checkpointed: a restart
+        re-keys)."""
+        return super().state_dict()
+

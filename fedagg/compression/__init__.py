@@ -37,7 +37,14 @@ from fedagg.compression.payload import (
 )
 from fedagg.compression.quantize import BF16, FP16, Int8
 from fedagg.compression.sketch import CountSketch
-from fedagg.compression.spec import StageContext, StageFactory, build_compressor, registry
+from fedagg.compression.spec import (
+    ParsedSpec,
+    StageContext,
+    StageFactory,
+    build_compressor,
+    parse_spec,
+    registry,
+)
 from fedagg.compression.support import (
     SharedSupport,
     block_support,
@@ -60,6 +67,7 @@ __all__ = [
     "FetchSGDServer",
     "Identity",
     "Int8",
+    "ParsedSpec",
     "Payload",
     "Quantizer",
     "RandomK",
@@ -81,6 +89,7 @@ __all__ = [
     "find_sketch",
     "find_vote_support",
     "float32_to_bf16_bits",
+    "parse_spec",
     "random_support",
     "registry",
     "reveals_indices",

@@ -42,7 +42,7 @@ from fedagg.compression.support import (
 from fedagg.compression.topk import RandomK, TopK, k_from_ratio
 from fedagg.errors import ConfigError, RegistryError, explain
 
-__all__ = ["StageContext", "StageFactory", "build_compressor", "registry"]
+__all__ = ["ParsedSpec", "StageContext", "StageFactory", "build_compressor", "parse_spec", "registry"]
 
 
 @dataclass(frozen=True)
@@ -315,6 +315,69 @@ def _split_part(spec: str, part: str) -> tuple[str, tuple[str, ...], dict[str, s
     return name, tuple(args), kwargs
 
 
+@dataclass(frozen=True)
+class ParsedSpec:
+    """A spec split into stages once (syntax checked); :meth:`build` makes the compressor.
+
+    Building needs the public round context (seed, round, previous aggregate), which changes
+    every round; the text is parsed only once (:func:`parse_spec`).
+
+    Attributes
+    ----------
+    spec : str
+        The spec as written.
+    parts : tuple of (part, name, args, kwargs)
+        One entry per ``+``-separated stage, in order.
+    """
+
+    spec: str
+    parts: tuple[tuple[str, str, tuple[str, ...], tuple[tuple[str, str], ...]], ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Normalized stage names, in order."""
+        return tuple(p[1] for p in self.parts)
+
+    def build(
+        self,
+        *,
+        seed: bytes | None = None,
+        round: int | None = None,
+        previous_aggregate: NDArray[Any] | None = None,
+        rename: dict[str, str] | None = None,
+    ) -> Compressor:
+        """The compressor of one round (see :func:`build_compressor`).
+
+        ``rename`` maps a stage name to another factory with the same arguments (used for the
+        first round of ``aggtopk``, which falls back to ``shared``).
+        """
+        return _assemble(self, seed, round, previous_aggregate, rename or {})
+
+
+def parse_spec(spec: str) -> ParsedSpec:
+    """Split ``spec`` into stages (syntax only; the stages' arguments are checked by building).
+
+    Raises
+    ------
+    ConfigError
+        Empty spec, empty stage, bad argument syntax.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError(
+            explain("compression spec", spec, "must be a non-empty string", "e.g. 'none'")
+        )
+    parts = []
+    for raw in spec.split("+"):
+        part = raw.strip()
+        if not part:
+            raise ConfigError(
+                explain(f"compression spec {spec!r}, part", raw, "empty stage", "remove the '+'")
+            )
+        name, args, kwargs = _split_part(spec, part)
+        parts.append((part, name, args, tuple(kwargs.items())))
+    return ParsedSpec(spec, tuple(parts))
+
+
 def build_compressor(
     spec: str,
     *,
@@ -347,20 +410,23 @@ def build_compressor(
     ConfigError
         Naming the spec, the bad part, the rule and the fix.
     """
-    if not isinstance(spec, str) or not spec.strip():
-        raise ConfigError(
-            explain("compression spec", spec, "must be a non-empty string", "e.g. 'none'")
-        )
+    return parse_spec(spec).build(seed=seed, round=round, previous_aggregate=previous_aggregate)
+
+
+def _assemble(
+    parsed: ParsedSpec,
+    seed: bytes | None,
+    round: int | None,
+    previous_aggregate: NDArray[Any] | None,
+    rename: dict[str, str],
+) -> Compressor:
+    spec = parsed.spec
     ef = False
     first: Compressor | None = None
     quantizer: Quantizer | None = None
-    for raw in spec.split("+"):
-        part = raw.strip()
-        if not part:
-            raise ConfigError(
-                explain(f"compression spec {spec!r}, part", raw, "empty stage", "remove the '+'")
-            )
-        name, args, kwargs = _split_part(spec, part)
+    for part, name, args, kw in parsed.parts:
+        kwargs = dict(kw)
+        name = rename.get(name, name)
         ctx = StageContext(spec, part, name, args, kwargs, seed, round, previous_aggregate)
         if name == "ef":
             if args or kwargs:

@@ -7,10 +7,19 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
-from strategies._records import arrays_to_record, record_to_arrays
-from strategies.compressed import CompressedFedAvg
+from strategies import Compressed, FedAvg
+from strategies.wire import arrays_to_record, record_to_arrays
 
 KEYS = ["w", "b"]
+
+_WRAPPER_ARGS = ("up", "down", "support", "state_namespace", "max_update_norm")
+
+
+def compressed_fedavg(**kwargs: object) -> Compressed:
+    """``Compressed(FedAvg(...))`` sampling from any number of nodes (the tests' one-node grids)."""
+    wrap = {k: kwargs.pop(k) for k in list(kwargs) if k in _WRAPPER_ARGS}
+    inner = FedAvg(min_train_nodes=1, min_available_nodes=1, **kwargs)  # type: ignore[arg-type]
+    return Compressed(inner, **wrap)  # type: ignore[arg-type]
 SHAPES = [(200, 50), (50,)]
 
 
@@ -35,7 +44,7 @@ def model(seed: int = 0) -> list[np.ndarray]:
     return [rng.normal(size=s).astype(np.float32) for s in SHAPES]
 
 
-def send(strategy: CompressedFedAvg, arrays: list[np.ndarray], rnd: int, nodes: Sequence[int],
+def send(strategy: Compressed, arrays: list[np.ndarray], rnd: int, nodes: Sequence[int],
          config: ConfigRecord | None = None) -> dict[int, Message]:
     """configure_train -> {node id: train message}."""
     msgs = strategy.configure_train(rnd, arrays_to_record(arrays, KEYS), config or ConfigRecord(),

@@ -1,30 +1,40 @@
-"""strategies.compressed.CompressedFedAvg: decoding, rejection, shared supports, downward codec."""
+"""strategies.Compressed(FedAvg()): decoding, rejection, shared supports, downward codec."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from _cf_helpers import KEYS, SHAPES, Grid, ef_residual, handler_adding, model, send, site_context
+from _cf_helpers import (
+    KEYS,
+    SHAPES,
+    Grid,
+    compressed_fedavg,
+    ef_residual,
+    handler_adding,
+    model,
+    send,
+    site_context,
+)
 from conftest import reply_message, train_reply
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from clients.mods import compression_mod
+from clients.protocol import fedagg_mod
 from fedagg.compression import TensorPayload, WireDType, build_compressor, codec
 from fedagg.compression.payload import Payload
 from fedagg.config import load_config
 from fedagg.errors import ConfigError
-from strategies._compression import (
+from fedagg.update import effective_spec
+from strategies import Compressed, build_strategy
+from strategies.fedavg import FedAvg
+from strategies.wire import (
     PREVIOUS_KEY,
     REPLY_KEY,
-    effective_spec,
+    arrays_to_record,
+    message_nbytes,
     payload_bytes,
     payload_record,
-    shared_support,
+    record_to_arrays,
 )
-from strategies._records import arrays_to_record, message_nbytes, record_to_arrays
-from strategies.compressed import CompressedFedAvg
-from strategies.fedavg import FedAvg
-from strategies.registry import build_strategy
 
 
 def _reply(node: int, data: bytes, n: float = 10.0, **metrics: float) -> object:
@@ -41,7 +51,7 @@ def _deltas(rng: np.random.Generator) -> list[np.ndarray]:
 def test_compressed_equals_fedavg_on_the_decoded_deltas(spec: str) -> None:
     rng = np.random.default_rng(0)
     g = model(0)
-    s = CompressedFedAvg(up=spec)
+    s = compressed_fedavg(up=spec)
     send(s, g, 1, [1, 2, 3])
     replies, dense = [], []
     for node, n in ((1, 5), (2, 17), (3, 40)):
@@ -109,7 +119,7 @@ KINDS = ["magic", "truncated", "trailing", "flipped-count", "random-bytes", "sha
 @pytest.mark.parametrize("kind", KINDS)
 def test_bad_reply_is_rejected_and_model_unchanged_when_alone(kind: str) -> None:
     rng = np.random.default_rng(3)
-    s = CompressedFedAvg(up="topk:0.1")
+    s = compressed_fedavg(up="topk:0.1")
     send(s, model(0), 1, [1])
     out, metrics = s.aggregate_train(1, [_corrupt(kind, rng)])  # type: ignore[list-item]
     assert out is None and metrics is None
@@ -120,7 +130,7 @@ def test_bad_reply_is_rejected_and_model_unchanged_when_alone(kind: str) -> None
 def test_bad_reply_does_not_spoil_the_good_ones(kind: str) -> None:
     rng = np.random.default_rng(4)
     g = model(0)
-    s = CompressedFedAvg(up="topk:0.1")
+    s = compressed_fedavg(up="topk:0.1")
     send(s, g, 1, [1, 2])
     good = _good_payload(rng)
     out, _ = s.aggregate_train(1, [_corrupt(kind, rng), _reply(2, good, 7)])  # type: ignore[list-item]
@@ -134,8 +144,8 @@ def test_bad_reply_does_not_spoil_the_good_ones(kind: str) -> None:
 def test_shared_support_site_and_server_agree(support: str) -> None:
     """Sites send values only; the server recomputes the support and decodes exactly."""
     rng = np.random.default_rng(5)
-    s = CompressedFedAvg(up="topk:0.02+ef", support=support, seed=11)
-    assert s.spec.startswith({"random": "shared", "block": "block",
+    s = compressed_fedavg(up="topk:0.02+ef", support=support, seed=11)
+    assert s.spec.up.startswith({"random": "shared", "block": "block",
                               "topk-aggregate": "aggtopk"}[support] + ":0.02")
     ctxs = {n: site_context(n, partition=n) for n in (1, 2, 3)}
     g = model(0)
@@ -150,7 +160,7 @@ def test_shared_support_site_and_server_agree(support: str) -> None:
             elif rnd > 1:
                 assert PREVIOUS_KEY not in msgs[n].content
             deltas[n] = _deltas(rng)
-            replies.append(compression_mod(msgs[n], ctxs[n], handler_adding(deltas[n], 10 + n)))
+            replies.append(fedagg_mod(msgs[n], ctxs[n], handler_adding(deltas[n], 10 + n)))
         for r in replies:  # values only: no index bytes on the wire
             p = codec.decode(payload_bytes(r.content.array_records[REPLY_KEY]))
             assert all(t.implicit_indices for t in p.tensors)
@@ -166,22 +176,22 @@ def test_shared_support_site_and_server_agree(support: str) -> None:
                 np.testing.assert_allclose(p + e, d + c, rtol=1e-5, atol=1e-6)
             carried[n] = res
         numel = sum(int(np.prod(sh)) for sh in SHAPES)
-        support_idx = shared_support(s.spec, run_seed=11, server_round=rnd,
-                                     previous_aggregate=s._aggregate, numel=numel)
+        support_idx = s.history.support()
         assert support_idx is not None and len(support_idx) == int(np.ceil(0.02 * numel))
         if support == "topk-aggregate" and rnd > 1:
-            assert s._aggregate is not None and np.any(s._aggregate != 0)
+            agg = s.history.previous_aggregate
+            assert agg is not None and np.any(agg != 0)
         g = record_to_arrays(out)[1]
 
 
 def test_topk_aggregate_support_follows_the_previous_aggregate() -> None:
-    s = CompressedFedAvg(up="topk:0.01+ef", support="topk-aggregate", seed=2)
+    s = compressed_fedavg(up="topk:0.01+ef", support="topk-aggregate", seed=2)
     g0, g1 = model(0), model(1)
     send(s, g0, 1, [1])
     s.aggregate_train(1, [])
     send(s, g1, 2, [1])
     agg = np.concatenate([(b - a).ravel() for a, b in zip(g0, g1, strict=True)])
-    sup = s._round_support(agg.size)
+    sup = s.history.support()
     assert sup is not None
     top = np.sort(np.argsort(-np.abs(agg), kind="stable")[: sup.size])
     np.testing.assert_array_equal(sup, top)
@@ -189,13 +199,13 @@ def test_topk_aggregate_support_follows_the_previous_aggregate() -> None:
 
 def test_downward_bf16_halves_bytes_down_and_server_keeps_master_weights() -> None:
     g = model(2)
-    plain = CompressedFedAvg(up="topk:0.1+ef")
-    bf = CompressedFedAvg(up="topk:0.1+ef", down="bf16")
+    plain = compressed_fedavg(up="topk:0.1+ef")
+    bf = compressed_fedavg(up="topk:0.1+ef", down="bf16")
     m_plain = send(plain, g, 1, [1])[1]
     m_bf = send(bf, g, 1, [1])[1]
     assert message_nbytes(m_bf) < 0.6 * message_nbytes(m_plain)
     zero = [np.zeros(sh, np.float32) for sh in SHAPES]
-    out, _ = bf.aggregate_train(1, [compression_mod(m_bf, site_context(1), handler_adding(zero))])
+    out, _ = bf.aggregate_train(1, [fedagg_mod(m_bf, site_context(1), handler_adding(zero))])
     assert out is not None
     for a, b in zip(record_to_arrays(out)[1], g, strict=True):
         np.testing.assert_array_equal(a, b)  # zero delta: exact master weights, not bf16
@@ -203,10 +213,10 @@ def test_downward_bf16_halves_bytes_down_and_server_keeps_master_weights() -> No
 
 def test_downward_only_dense_replies() -> None:
     g = model(3)
-    s = CompressedFedAvg(up="none", down="fp16")
+    s = compressed_fedavg(up="none", down="fp16")
     msg = send(s, g, 1, [1])[1]
     d = [np.full(sh, 0.5, np.float32) for sh in SHAPES]
-    reply = compression_mod(msg, site_context(1), handler_adding(d))
+    reply = fedagg_mod(msg, site_context(1), handler_adding(d))
     assert "arrays" in reply.content  # dense reply, deltas against the fp16 model
     out, _ = s.aggregate_train(1, [reply])
     assert out is not None
@@ -223,17 +233,17 @@ def test_effective_spec_and_bad_specs() -> None:
     with pytest.raises(ConfigError, match="contradicts"):
         effective_spec("block:0.01", "random")
     with pytest.raises(ConfigError, match="ratio"):
-        CompressedFedAvg(up="topk:2.0")
+        compressed_fedavg(up="topk:2.0")
     with pytest.raises(ConfigError):
-        CompressedFedAvg(up="topk:0.1", down="int8")
+        compressed_fedavg(up="topk:0.1", down="int8")
 
 
 def test_registry_builds_compressed_from_config() -> None:
     cfg = load_config(None, ["strategy.name='compressed'", "compression.up='topk:0.01+ef'",
                              "compression.support='block'", "compression.down='bf16'"])
     s = build_strategy(cfg)
-    assert isinstance(s, CompressedFedAvg)
-    assert s.spec == "block:0.01+ef" and s.down == "bf16"
+    assert isinstance(s, Compressed)
+    assert s.spec.up == "block:0.01+ef" and s.spec.down == "bf16"
 
 
 def test_reveal_indices_is_the_explicit_name_of_own() -> None:
@@ -243,7 +253,7 @@ def test_reveal_indices_is_the_explicit_name_of_own() -> None:
         cfg = load_config(None, ["strategy.name='compressed'", "compression.up='topk:0.01+ef'",
                                  f"compression.support='{support}'"])
         s = build_strategy(cfg)
-        assert isinstance(s, CompressedFedAvg) and s.spec == "topk:0.01+ef"
+        assert isinstance(s, Compressed) and s.spec.up == "topk:0.01+ef"
     with pytest.raises(ConfigError, match="reveal-indices"):
         effective_spec("topk:0.01", "mine")
     # under secure aggregation the revealing support is refused, whichever name it has

@@ -30,7 +30,7 @@ def _dense_reply_nbytes() -> int:
     """Serialized size of one dense float32 MLP reply (what a FedAvg site sends)."""
     from fedagg.data import load_dataset
     from fedagg.models import build_model
-    from strategies._records import message_nbytes
+    from strategies.wire import message_nbytes
 
     ds = load_dataset("digits")
     sd = build_model("mlp", ds.input_shape, ds.num_classes, seed=0).state_dict()

@@ -30,7 +30,7 @@ def test_unknown_key_names_field_value_rule_and_fix(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("override, field", [
     ("run.sites=0", "run.sites"), ("train.lr=-1", "train.lr"), ("data.dirichlet_alpha=0", "data.dirichlet_alpha"),
-    ("model.name='resnet'", "model.name"), ("site.workers=0", "site.workers"),
+    ("model.name='vgg'", "model.name"), ("site.workers=0", "site.workers"),
     ("run.min_sites=20", "run.min_sites"), ("secagg.frac_bits=40", "secagg.frac_bits"),
 ])
 def test_out_of_range_values(override: str, field: str) -> None:

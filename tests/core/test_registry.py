@@ -19,8 +19,9 @@ def test_builtin_and_unknown_name_lists_known() -> None:
     with pytest.raises(RegistryError) as e:
         STRATEGIES.get("fedmagic")
     assert "fedmagic" in str(e.value) and "fedavg" in str(e.value)
-    with pytest.raises(RegistryError):
+    with pytest.raises(ConfigError) as e:  # named before any engine starts, known ones listed
         build_strategy(load_config(None, ["strategy.name='fedmagic'"]))
+    assert "fedmagic" in str(e.value) and "fedavg" in str(e.value) and "flwr:FedAdam" in str(e.value)
 
 
 def test_duplicate_registration_refused() -> None:
@@ -80,7 +81,7 @@ def test_plugins_doc_example_works(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     from conftest import train_reply
     from flwr.app import ConfigRecord
 
-    from strategies._records import arrays_to_record, record_to_arrays
+    from strategies.wire import arrays_to_record, record_to_arrays
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "plugins.md").read_text()
     code = re.search(r"```python\n# fedagg_trimmed/strategy.py\n(.*?)```", doc, re.S)

@@ -14,7 +14,7 @@ import pytest
 from flwr.app import Context, Message, RecordDict
 from flwr.common.config import parse_config_args
 
-from clients.local import local_data
+from fedagg.builtin import builtin_task
 from clients.settings import SiteSettings
 from fedagg.config import RunConfig
 from fedagg.errors import ConfigError, DataError
@@ -60,9 +60,13 @@ def test_site_data_from_data_path(tmp_path: Path) -> None:
     y = np.arange(20) % 10
     np.savez(tmp_path / "site.npz", x_train=x, y_train=y)
     s = _settings(f"data-path='{tmp_path / 'site.npz'}' site-name='lab-b'")
-    xs, ys, shape, classes = local_data(s)
-    assert xs.shape == (20, 1, 8, 8) and shape == (1, 8, 8) and classes == 10
-    assert np.array_equal(ys, y)
+    task = builtin_task(s.cfg, data_path=s.node.data_path)
+    data = task.data(s.site_info())
+    assert task.data.shape() == ((1, 8, 8), 10)  # type: ignore[attr-defined]
+    xs, ys = data.train.tensors  # type: ignore[union-attr]
+    xe, ye = data.eval.tensors  # type: ignore[union-attr]  # a held-out 10 % (data.eval_fraction)
+    assert xs.shape[1:] == (1, 8, 8) and len(ys) + len(ye) == 20 and len(ye) == 2
+    assert sorted(ys.tolist() + ye.tolist()) == sorted(y.tolist())
 
 
 def test_unreadable_data_path_names_the_node(tmp_path: Path) -> None:
@@ -70,4 +74,4 @@ def test_unreadable_data_path_names_the_node(tmp_path: Path) -> None:
     for path in (tmp_path / "missing.npz", tmp_path / "wrong.npz"):
         s = _settings(f"data-path='{path}'")
         with pytest.raises(DataError, match=rf"node {NODE_ID}: node_config.data_path .*Fix:"):
-            local_data(s)
+            builtin_task(s.cfg, data_path=s.node.data_path).data(s.site_info())

@@ -12,10 +12,9 @@ from conftest import reply_message, train_reply
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from fedagg.compression import TopK, codec
-from strategies._compression import payload_record
-from strategies._records import arrays_to_record, record_to_arrays
-from strategies.compressed import CompressedFedAvg
+from strategies.compressed import Compressed
 from strategies.fedavg import FedAvg
+from strategies.wire import arrays_to_record, payload_record, record_to_arrays
 
 SHAPES = [(4, 3), (3,)]
 KEYS = ["w", "b"]
@@ -56,8 +55,8 @@ def hostile_dense(i: int, rng: np.random.Generator, node: int, server_round: int
         return train_reply(node, good, 10, keys=["x", "y"])
     if kind == 5:  # wrong shape
         return train_reply(node, [good[0].T.copy(), good[1]], 10, keys=KEYS)
-    if kind == 6:  # wrong dtype
-        return train_reply(node, [good[0].astype(rng.choice([np.float64, np.int32, np.float16])), good[1]], 10, keys=KEYS)
+    if kind == 6:  # wrong dtype (a float of another width is cast, as Flower would: not hostile)
+        return train_reply(node, [good[0].astype(rng.choice([np.int64, np.int32, np.uint8])), good[1]], 10, keys=KEYS)
     if kind == 7:  # NaN / Inf at a random place
         bad = good[0].copy()
         bad.flat[rng.integers(bad.size)] = rng.choice([np.nan, np.inf, -np.inf])
@@ -107,7 +106,7 @@ def hostile_dense(i: int, rng: np.random.Generator, node: int, server_round: int
 def test_fedavg_survives_hostile_replies(seed: int, caplog: pytest.LogCaptureFixture) -> None:
     rng = np.random.default_rng(seed)
     glob = _good(rng)
-    strategy = FedAvg(max_update_norm=1e3)
+    strategy = FedAvg(max_update_norm=1e3, min_train_nodes=1, min_available_nodes=1)
     caplog.set_level(logging.WARNING, logger="strategies")
     batch, rejected, rnd = 50, 0, 5
     for start in range(0, N_FEDAVG, batch):
@@ -134,7 +133,7 @@ def test_fedavg_survives_hostile_replies(seed: int, caplog: pytest.LogCaptureFix
 def test_compressed_strategy_survives_hostile_payloads(caplog: pytest.LogCaptureFixture) -> None:
     rng = np.random.default_rng(1)
     glob = _good(rng)
-    strategy = CompressedFedAvg(up="topk:0.5")
+    strategy = Compressed(FedAvg(min_train_nodes=1, min_available_nodes=1), up="topk:0.5")
     caplog.set_level(logging.WARNING, logger="strategies")
     valid = codec.encode(TopK(0.5).compress([g * 0.1 for g in glob], rng=rng))
     rnd, batch, seen = 3, 40, 0

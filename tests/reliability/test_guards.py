@@ -13,9 +13,9 @@ from clients.app import app as client_app
 from fedagg.config import load_config
 from server.inprocess import InProcessGrid
 from server.runner import client_config, run_server
-from strategies._records import arrays_to_record, record_to_arrays
 from strategies.base import filter_replies, run_train_round
 from strategies.fedavg import FedAvg
+from strategies.wire import arrays_to_record, record_to_arrays
 
 
 def _sent(node: int) -> Message:
@@ -72,14 +72,13 @@ def _round(flaky: _Flaky, retries: int) -> tuple[int, int]:
     cfg = load_config(None, ["run.sites=3", "train.local_epochs=1", f"run.retries={retries}"])
     grid = InProcessGrid(flaky, 3, seed=1)
     s = FedAvg(min_available_nodes=3)
-    s.retries = retries
     from fedagg.data import load_dataset
     from fedagg.models import build_model, get_weights
 
     ds = load_dataset("digits")
     m = build_model("mlp", ds.input_shape, ds.num_classes, seed=0)
     arrays: ArrayRecord = arrays_to_record(get_weights(m), list(m.state_dict().keys()))
-    res = run_train_round(s, grid, 1, arrays, client_config(cfg), timeout=120)
+    res = run_train_round(s, grid, 1, arrays, client_config(cfg), timeout=120, retries=retries)
     return res.replies, res.exchanges
 
 
@@ -105,5 +104,5 @@ def test_min_sites_unmet_keeps_model_and_run_continues(tmp_path: Path) -> None:
     assert records[1]["accuracy"] == records[0]["accuracy"]  # unchanged model, same evaluation
     assert records[2]["model_updated"] is True and records[2]["sites"] == [0, 1, 2]
     per_site = records[2]["site_metrics"]
-    assert set(per_site) == {"0", "1", "2"} and all(m["num-examples"] > 0 and m["compute-seconds"] > 0
+    assert set(per_site) == {"0", "1", "2"} and all(m["num-examples"] > 0 and m["compute_seconds"] > 0
                                                     for m in per_site.values())

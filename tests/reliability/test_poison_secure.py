@@ -12,24 +12,25 @@ import pytest
 from flwr.app import ArrayRecord, Context, Message
 from flwr.clientapp import ClientApp
 
-from clients.app import MODS
-from clients.app import train as real_train
-from clients.secure import register as register_secure
+from clients import make_client_app
 from fedagg.config import load_config
+from fedagg.errors import RunFailed
 from server.inprocess import InProcessGrid
 from server.runner import run_server
-from strategies._records import arrays_to_record, record_to_arrays
+from strategies.wire import arrays_to_record, record_to_arrays
 
 POISONED = 1
 
 
 def poisoned_app(kind: str) -> ClientApp:
-    """The real ClientApp (same mods, same train handler), with site 1 poisoned before masking."""
-    app = ClientApp(mods=list(MODS))
+    """The real ClientApp with a mod that poisons site 1's trained model before masking.
 
-    @app.train()
-    def train(msg: Message, ctx: Context) -> Message:
-        reply = real_train(msg, ctx)
+    Mods given to ``make_client_app`` run inside fedagg's own (they see the plain reply), so
+    the poison reaches the upload pipeline exactly as a site's bad training would.
+    """
+
+    def poison(msg: Message, ctx: Context, call_next):  # type: ignore[no-untyped-def]
+        reply = call_next(msg, ctx)
         if ctx.node_config["partition-id"] != POISONED or reply.has_error():
             return reply
         keys, arrays = record_to_arrays(reply.content.array_records["arrays"])
@@ -45,8 +46,7 @@ def poisoned_app(kind: str) -> ClientApp:
         assert isinstance(reply.content.array_records["arrays"], ArrayRecord)
         return reply
 
-    register_secure(app)
-    return app
+    return make_client_app(mods=[poison])
 
 
 def _run(tmp: Path, kind: str, *extra: str) -> list[dict[str, object]]:
@@ -69,7 +69,10 @@ def test_site_refuses_to_mask_a_bad_update_and_drops_out(tmp_path: Path, kind: s
 
 
 def test_huge_norm_update_rolls_the_round_back(tmp_path: Path) -> None:
-    records = _run(tmp_path, "norm")
+    with pytest.raises(RunFailed) as info:  # no round changed the model: the run fails loudly
+        _run(tmp_path, "norm")
+    assert "round 1: nothing aggregated" in str(info.value) and "norm" in str(info.value)
+    records = info.value.records
     for rec in records[1:]:
         assert rec["model_updated"] is False  # the aggregate failed the norm check
     assert records[1]["accuracy"] == records[0]["accuracy"] == records[2]["accuracy"]

@@ -1,4 +1,4 @@
-"""SecureAggregation + secure_mod over real Flower Messages, Contexts and the real ClientApp
+"""SecureAggregation + the site protocol over real Flower Messages, Contexts and the real ClientApp
 (``clients.app.app``: training, fault injection, mods), delivered by an in-process Grid that
 serialises every message as Flower does (server.inprocess.InProcessGrid).
 
@@ -18,7 +18,7 @@ import pytest
 from flwr.app import ArrayRecord
 
 from clients.app import app
-from clients.secure import STATE_CONFIG_KEY
+from clients.protocol import SECAGG_STATE_CONFIG as STATE_CONFIG_KEY
 from fedagg.config import RunConfig, load_config
 from fedagg.data import load_dataset
 from fedagg.models import build_model
@@ -26,11 +26,10 @@ from fedagg.secagg.packing import packed_words
 from fedagg.secagg.packing import unpack as unpack_bits
 from server.inprocess import InProcessGrid, nodes_by_partition
 from server.runner import client_config
-from strategies._records import arrays_to_record, record_to_arrays
-from strategies._secagg_records import ARRAYS_KEY, CONFIG_KEY
 from strategies.base import RoundResult, run_train_round
 from strategies.registry import build_strategy
 from strategies.secure import SecureAggregation
+from strategies.wire import ARRAYS_KEY, CONFIG_KEY, PARAMS_KEY, arrays_to_record, record_to_arrays
 
 BASE = ["run.sites=5", "train.local_epochs=1", "data.max_train_examples=300",
         "secagg.weight_scale=300"]
@@ -122,8 +121,8 @@ def test_too_few_live_neighbours_aborts_cleanly_and_the_run_continues() -> None:
     r2 = _round(secure, grid, 2, r1.arrays, cfg)
     assert r2.arrays is None and r2.metrics is None  # aborted: the runner keeps the model
     assert r2.exchanges == 1 and r2.failures == 1  # aborted before any share was revealed
-    assert isinstance(secure, SecureAggregation) and secure.history[-1]["aborted"]
-    assert "live holders" in secure.history[-1]["reason"]
+    assert isinstance(secure, SecureAggregation) and secure.history_log[-1]["aborted"]
+    assert "live holders" in secure.history_log[-1]["reason"]
     r3 = _round(secure, grid, 3, r1.arrays, cfg)
     assert r3.arrays is not None and r3.exchanges == 4 and r3.replies == 5
 
@@ -137,7 +136,7 @@ def test_site_reply_holds_only_the_masked_upload_and_secrets_stay_local(
 
     def recording_app(msg: Any, ctx: Any) -> Any:
         out = base_app(msg, ctx)
-        if msg.metadata.message_type == "train":
+        if msg.content.config_records[PARAMS_KEY]["stage"] == "upload":
             replies.append(out)
         return out
 
@@ -161,6 +160,7 @@ def test_site_reply_holds_only_the_masked_upload_and_secrets_stay_local(
         assert isinstance(secret, bytes) and len(secret) == 32
         assert secret.hex() not in caplog.text and repr(secret) not in caplog.text
     # the masked upload per site: 4 bytes per value + a fixed overhead (keys, shares, headers)
-    up = secure.history[-1]["bytes_up"]
-    assert set(up) == {"setup", "upload", "unmask"}
-    assert 4 * dim < up["upload"] / 5 <= 4 * dim + 4096  # measured: 4 * dim + ~2.3 KB
+    up = secure.history_log[-1]["bytes_up"]  # the wrapper's own exchanges
+    assert set(up) == {"setup", "unmask"}
+    upload = (result.bytes_up - up["setup"] - up["unmask"]) / 5  # the train replies
+    assert 4 * dim < upload <= 4 * dim + 4096  # measured: 4 * dim + ~2.3 KB

@@ -24,7 +24,9 @@ from fedagg.secagg import (
     deterministic_random_bytes,
 )
 from server.inprocess import wire_roundtrip
-from strategies._secagg_records import (
+from strategies.registry import build_strategy
+from strategies.secure import flatten_arrays, resolve_params, unflatten_like
+from strategies.wire import (
     ARRAYS_KEY,
     CONFIG_KEY,
     SiteIndex,
@@ -36,8 +38,6 @@ from strategies._secagg_records import (
     strip,
     unpack,
 )
-from strategies.registry import build_strategy
-from strategies.secure import flatten_arrays, resolve_params, unflatten_like
 
 PARAMS = SecAggParams(threshold=2, clip=4.0, weight_scale=100.0)
 
@@ -178,10 +178,10 @@ def test_site_index_is_stable_and_small() -> None:
 
 def test_params_record_round_trip_and_digest() -> None:
     params = SecAggParams(threshold=3, num_neighbours=4, clip=2.0, frac_bits=20, weight_scale=50.0)
-    site, back = params_from_record(params_to_record(params, 12))
-    assert site == 12 and back.digest() == params.digest()
-    site, back = params_from_record(params_to_record(PARAMS, 0))
-    assert back.num_neighbours is None and back.digest() == PARAMS.digest()
+    site, back, stage = params_from_record(params_to_record(params, 12, "share-keys"))
+    assert site == 12 and back.digest() == params.digest() and stage == "share-keys"
+    site, back, stage = params_from_record(params_to_record(PARAMS, 0))
+    assert back.num_neighbours is None and back.digest() == PARAMS.digest() and stage == "upload"
     bad = params_to_record(PARAMS, 0)
     bad["secret_option"] = 1
     with pytest.raises(ProtocolError):

@@ -1,6 +1,6 @@
 """Sparse + secure: SecureAggregation with a public support over the real ClientApp.
 
-Oracle: the plaintext CompressedFedAvg with the same spec, support, public seed and sites,
+Oracle: the plaintext Compressed(FedAvg()) with the same spec, support, public seed and sites,
 fed the same global model every round (so site training and error-feedback residuals are
 bit-identical); the only difference allowed is the fixed-point error the secure round
 reports (``secagg-error-bound``) plus float32 rounding. Messages cross Flower's serialisation
@@ -16,21 +16,20 @@ import pytest
 from flwr.app import ArrayRecord, Message
 
 from clients.app import app
-from clients.mods import EF_KEY
+from clients.protocol import EF_KEY
 from fedagg.config import RunConfig, load_config
 from fedagg.data import load_dataset
 from fedagg.errors import ConfigError
 from fedagg.models import build_model
 from fedagg.secagg.packing import packed_words
+from fedagg.update import SupportHistory
 from server.inprocess import InProcessGrid, nodes_by_partition
 from server.runner import client_config
-from strategies._compression import shared_support
-from strategies._records import arrays_to_record, record_to_arrays
-from strategies._secagg_records import ARRAYS_KEY, CONFIG_KEY
 from strategies.base import RoundResult, run_train_round
-from strategies.compressed import CompressedFedAvg
+from strategies.compressed import Compressed
 from strategies.registry import build_strategy
 from strategies.secure import SecureAggregation
+from strategies.wire import ARRAYS_KEY, CONFIG_KEY, PARAMS_KEY, arrays_to_record, record_to_arrays
 
 BASE = ["run.sites=5", "train.local_epochs=1", "data.max_train_examples=300",
         "secagg.weight_scale=300", "compression.up=topk:0.05+ef"]
@@ -69,7 +68,7 @@ def test_secure_sparse_equals_plaintext_on_the_same_support_with_a_dropout(suppo
     cfg_pl = _cfg("strategy.name=compressed", f"compression.support={support}", *faults,
                   "faults.crash_stage=train")
     secure, plain = build_strategy(cfg_sec), build_strategy(cfg_pl)
-    assert isinstance(secure, SecureAggregation) and isinstance(plain, CompressedFedAvg)
+    assert isinstance(secure, SecureAggregation) and isinstance(plain, Compressed)
     g_sec, g_pl = InProcessGrid(app, 5, seed=3), InProcessGrid(app, 5, seed=3)
     arrays = _initial(cfg_sec)
     dim = _flat(arrays).size
@@ -114,8 +113,8 @@ def test_topk_aggregate_support_is_the_topk_of_the_applied_global_delta() -> Non
     r2 = _round(secure, grid, 2, r1.arrays, cfg)
     assert r2.arrays is not None and secure.last_support is not None
     applied = (_flat(r1.arrays) - _flat(a0)).astype(np.float32)
-    want = shared_support(secure.spec, run_seed=cfg.run.seed, server_round=2,
-                          previous_aggregate=applied, numel=applied.size)
+    want = SupportHistory.at_site(secure.spec, cfg.run.seed, 2, record_to_arrays(r1.arrays)[1],
+                                  1, record_to_arrays(a0)[1]).support()
     assert want is not None and np.array_equal(secure.last_support, want)
     # every position on the support is at least as large as every position off it
     off = np.ones(applied.size, bool)
@@ -129,7 +128,7 @@ def test_residual_persists_and_the_upload_is_only_the_masked_support_values() ->
 
     def recording_app(msg: Message, ctx: Any) -> Message:
         out = app(msg, ctx)
-        if msg.metadata.message_type == "train":
+        if msg.content.config_records[PARAMS_KEY]["stage"] == "upload":
             replies.append(out)
         return out
 
@@ -141,7 +140,7 @@ def test_residual_persists_and_the_upload_is_only_the_masked_support_values() ->
     k = round(0.05 * dim)
     residuals = []
     for rnd in (1, 2):
-        res = _round(secure, grid, rnd, arrays, cfg)
+        res = last = _round(secure, grid, rnd, arrays, cfg)
         assert res.arrays is not None
         arrays = res.arrays
         node = nodes_by_partition(grid)[0]
@@ -156,7 +155,8 @@ def test_residual_persists_and_the_upload_is_only_the_masked_support_values() ->
     # the residual is carried over: off both supports it accumulates two rounds of deltas
     assert np.abs(residuals[0]).max() > 0
     assert not np.array_equal(residuals[0], residuals[1])
-    up = secure.history[-1]["bytes_up"]["upload"] / 5
+    own = secure.history_log[-1]["bytes_up"]  # the wrapper's own exchanges (no setup in round 2)
+    up = (last.bytes_up - sum(own.values())) / 5  # the train replies
     payload = 4 * packed_words(k + 1, bits)  # k values + weight at b bits
     assert payload < up <= payload + 4096  # plus keys / shares / headers
 
@@ -189,11 +189,11 @@ def test_a_replayed_reply_from_an_earlier_exchange_is_refused() -> None:
         def send_and_receive(self, messages: Any, *, timeout: float | None = None) -> Any:
             msgs = list(messages)
             out = list(super().send_and_receive(msgs, timeout=timeout))
-            kind = msgs[0].metadata.message_type if msgs else ""
+            kind = str(msgs[0].content.config_records[PARAMS_KEY]["stage"]) if msgs else ""
             if self.replay and kind in self.saved:
                 out.insert(0, self.saved[kind])  # the old reply arrives first
             if out and kind not in self.saved:  # keep one reply per kind, from two nodes
-                self.saved[kind] = out[0] if kind == "train" else out[-1]
+                self.saved[kind] = out[0] if kind == "upload" else out[-1]
             return out
 
     grid = ReplayGrid()
@@ -207,4 +207,6 @@ def test_a_replayed_reply_from_an_earlier_exchange_is_refused() -> None:
     assert r2.failures == 0 and r2.metrics["secagg-counted"] == 5
     assert len(r2.rejected) == 2  # the replayed upload and the replayed unmask reply
     assert all("stale or foreign" in why for why in r2.rejected.values())
-    assert sorted(why.split(":")[0] for why in r2.rejected.values()) == ["unmask", "upload"]
+    # the replayed unmask reply is refused by the wrapper's own exchange, the replayed upload by
+    # the round driver (fedagg's loop; Flower's own loop returns only replies to its messages)
+    assert sorted(why.split(":")[0].split()[0] for why in r2.rejected.values()) == ["node", "unmask"]

@@ -8,17 +8,22 @@ from typing import Any
 
 import numpy as np
 
-from clients.local import local_data
+from clients.faults import worker_fault
 from clients.settings import NodeConfig, SiteSettings
+from clients.site import SiteResult, run_site
+from clients.worker import WorkerJob
+from fedagg.builtin import builtin_task
 from fedagg.config import RunConfig, validate_model
 from fedagg.models import build_model, get_weights
+from fedagg.task import SiteData
 
 
 def settings(*, partition: int = 0, server_round: int = 1, **sections: dict[str, Any]) -> SiteSettings:
     """Site settings for digits, IID, 2 sites of 300 examples, 1 epoch (overridable)."""
     base: dict[str, Any] = {
         "run": {"sites": 2, "seed": 5},
-        "data": {"dataset": "digits", "partitioner": "iid", "max_train_examples": 600},
+        "data": {"dataset": "digits", "partitioner": "iid", "max_train_examples": 600,
+                 "eval_fraction": 0.0},
         "model": {"name": "mlp"},
         "train": {"local_epochs": 1, "batch_size": 23, "lr": 0.1, "momentum": 0.9},
         "site": {"worker_timeout": 60.0},
@@ -30,9 +35,32 @@ def settings(*, partition: int = 0, server_round: int = 1, **sections: dict[str,
     return SiteSettings(cfg=cfg, node=node, server_round=server_round, node_id=partition + 1)
 
 
+def local_data(s: SiteSettings) -> SiteData:
+    """The site's data as the built-in task gives it."""
+    return builtin_task(s.cfg).data(s.site_info())
+
+
 def initial_weights(s: SiteSettings) -> list[np.ndarray]:
-    _, _, shape, classes = local_data(s)
+    shape, classes = builtin_task(s.cfg).data.shape()  # type: ignore[attr-defined]
     return get_weights(build_model(s.cfg.model.name, shape, classes, seed=11))
+
+
+def job(s: SiteSettings, weights: list[np.ndarray]) -> WorkerJob:
+    """The round's WorkerJob, as the ClientApp builds it."""
+    return WorkerJob(task=builtin_task(s.cfg), site=s.site_info(), settings=s.train_settings(),
+                     weights=weights, fault=worker_fault(s))
+
+
+def train(s: SiteSettings, weights: list[np.ndarray]) -> SiteResult:
+    """Train the site for one round (``site.workers`` workers), as the ClientApp does."""
+    return run_site(job(s, weights), s.cfg.site, name=s.name, server_round=s.server_round)
+
+
+def train_single(s: SiteSettings, weights: list[np.ndarray]) -> SiteResult:
+    """The same round with one worker (the reference)."""
+    one = s.cfg.model_copy(update={"site": s.cfg.site.model_copy(update={"workers": 1})})
+    return train(SiteSettings(cfg=one, node=s.node, server_round=s.server_round,
+                              node_id=s.node_id), weights)
 
 
 def delta_rel_diff(a: list[np.ndarray], b: list[np.ndarray], w0: list[np.ndarray]) -> float:

@@ -10,9 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-from _site_helpers import child_pids, initial_weights, settings
+from _site_helpers import child_pids, initial_weights, settings, train
 
-from clients.site import run_site
 from fedagg.errors import WorkerError
 
 
@@ -38,7 +37,7 @@ def test_killed_worker_process_fails_the_site_and_next_round_is_clean(job_root: 
     s = _fault_settings("process", "kill")
     w0 = initial_weights(s)
     with pytest.raises(WorkerError) as info:
-        run_site(s, w0)
+        train(s, w0)
     text = str(info.value)
     assert "site-1: worker 1 of 2" in text
     assert "killed by signal SIGKILL" in text and "round 1 (process mode)" in text
@@ -46,7 +45,7 @@ def test_killed_worker_process_fails_the_site_and_next_round_is_clean(job_root: 
     assert child_pids() <= before, "worker processes left behind"
     assert list(job_root.iterdir()) == []
     # the next round (no fault there) starts fresh workers and succeeds
-    up = run_site(_fault_settings("process", "kill", server_round=2), w0)
+    up = train(_fault_settings("process", "kill", server_round=2), w0)
     assert up.metrics["workers"] == 2 and up.num_examples == 300
     assert child_pids() <= before
 
@@ -57,7 +56,7 @@ def test_hung_worker_process_is_detected_within_the_timeout(job_root: Path) -> N
     s = _fault_settings("process", "hang", timeout=8.0)
     t0 = time.monotonic()
     with pytest.raises(WorkerError) as info:
-        run_site(s, initial_weights(s))
+        train(s, initial_weights(s))
     text = str(info.value)
     assert "site-1: worker 1 of 2" in text and "hung: no progress for" in text
     assert "'compute' at step 2" in text  # the hung one, not its peer that waits for it
@@ -69,7 +68,7 @@ def test_hung_worker_process_is_detected_within_the_timeout(job_root: Path) -> N
 def test_failed_inprocess_worker_names_the_root_cause() -> None:
     s = _fault_settings("inprocess", "kill")
     with pytest.raises(WorkerError) as info:
-        run_site(s, initial_weights(s))
+        train(s, initial_weights(s))
     text = str(info.value)
     assert text.startswith("site-1: worker 1 of 3")
     assert "injected crash after 2 steps" in text
@@ -80,13 +79,13 @@ def test_hung_inprocess_worker_is_detected() -> None:
     s = _fault_settings("inprocess", "hang", timeout=3.0)
     t0 = time.monotonic()
     with pytest.raises(WorkerError, match=r"site-1: worker 1 of 3 .*hung: no progress"):
-        run_site(s, initial_weights(s))
+        train(s, initial_weights(s))
     assert time.monotonic() - t0 < 60
     # a fresh round afterwards is unaffected by the abandoned group
-    up = run_site(_fault_settings("inprocess", "hang", server_round=2), initial_weights(s))
+    up = train(_fault_settings("inprocess", "hang", server_round=2), initial_weights(s))
     assert up.metrics["workers"] == 3
 
 
 def test_fault_in_another_site_or_round_does_nothing() -> None:
     s = _fault_settings("inprocess", "kill", server_round=3)
-    assert run_site(s, initial_weights(s)).metrics["workers"] == 3
+    assert train(s, initial_weights(s)).metrics["workers"] == 3

@@ -10,8 +10,8 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strategies._records import arrays_to_record, record_to_arrays
 from strategies.fedavg import FedAvg
+from strategies.wire import arrays_to_record, record_to_arrays
 
 
 class _Grid:
@@ -68,8 +68,8 @@ def test_bad_reply_is_excluded_and_model_unchanged_when_alone(bad: str) -> None:
         arrays = [np.array([np.inf, 0, 0], np.float32)]
     elif bad == "shape":
         arrays = [np.ones(4, np.float32)]
-    elif bad == "dtype":
-        arrays = [np.ones(3, np.float64)]
+    elif bad == "dtype":  # an integer reply to a float model (floats of another width are cast)
+        arrays = [np.ones(3, np.int64)]
     elif bad == "norm":
         arrays = [np.full(3, 1e6, np.float32)]
     elif bad == "weight":
@@ -127,3 +127,21 @@ def test_sampling_is_seeded() -> None:
     a = [m.metadata.dst_node_id for m in s1.configure_train(4, ArrayRecord(), ConfigRecord(), grid)]
     b = [m.metadata.dst_node_id for m in s2.configure_train(4, ArrayRecord(), ConfigRecord(), grid)]
     assert a == b and len(a) == 5
+
+
+def test_float64_reply_is_cast_as_flower_would_and_strict_mode_refuses_it() -> None:
+    g = [np.zeros(3, np.float32)]
+    a = train_reply(1, [np.full(3, 1.0, np.float32)], 10)
+    b = train_reply(2, [np.full(3, 3.0, np.float64)], 30)
+    s = FedAvg()
+    _configure(s, g)
+    out, _ = s.aggregate_train(1, [a, b])
+    assert out is not None and not s.last_rejected
+    got = record_to_arrays(out)[1][0]
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, np.full(3, 2.5, np.float32))
+    strict = FedAvg(strict_dtypes=True)
+    _configure(strict, g)
+    out, _ = strict.aggregate_train(1, [a, b])
+    assert "2" in strict.last_rejected and "strict_dtypes" in strict.last_rejected["2"]
+    np.testing.assert_array_equal(record_to_arrays(out)[1][0], np.ones(3, np.float32))

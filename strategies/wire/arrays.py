@@ -1,4 +1,4 @@
-"""Flower records <-> plain numpy data: the one place that knows both.
+"""Flower records <-> numpy arrays and config dicts (part of the wire adapter).
 
 Also measures the size of a message as Flower really ships it: since Flower 1.13 a message is a
 tree of content-addressed objects (records, arrays, 5 MiB array chunks), each serialized with
@@ -40,7 +40,7 @@ def message_nbytes(message: Message) -> int:
 def arrays_to_record(arrays: Sequence[np.ndarray], keys: Sequence[str] | None = None) -> ArrayRecord:
     """List of numpy arrays -> ArrayRecord (keys ``"0"``, ``"1"``, ... unless given)."""
     names = list(keys) if keys is not None else [str(i) for i in range(len(arrays))]
-    return ArrayRecord({k: Array(np.ascontiguousarray(a)) for k, a in zip(names, arrays, strict=True)})
+    return ArrayRecord({k: numpy_array(a) for k, a in zip(names, arrays, strict=True)})
 
 
 def safe_numpy(array: Array, *, name: str = "array", max_elements: int = 2**31,

@@ -25,15 +25,18 @@ from typing import Any, TypeVar
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-from fedagg.errors import ProtocolError, UpdateRejected, explain
+from fedagg.errors import ConfigError, ProtocolError, UpdateRejected, explain
 from fedagg.secagg import Message as SecAggMessage
 from fedagg.secagg import MessageDict, SecAggParams
-from strategies._records import numpy_array, safe_numpy
+from strategies.wire.arrays import numpy_array, safe_numpy
 
 __all__ = [
     "ARRAYS_KEY",
     "CONFIG_KEY",
     "PARAMS_KEY",
+    "SECAGG_KEYS",
+    "SECAGG_WIRE",
+    "STAGES",
     "SiteIndex",
     "dict_from_records",
     "dict_to_records",
@@ -48,6 +51,13 @@ CONFIG_KEY = "secagg-config"
 ARRAYS_KEY = "secagg-arrays"
 PARAMS_KEY = "secagg-params"
 SECAGG_KEYS = (CONFIG_KEY, ARRAYS_KEY, PARAMS_KEY)
+
+SECAGG_WIRE = 2
+"""Version of the secure-aggregation records. 2: every exchange is a ``train`` message and the
+stage is named in :data:`PARAMS_KEY` (so a stock ClientApp with the fedagg mod answers them);
+1 (fedagg 0.1): setup and unmask were ``query.secagg_*`` messages (refused)."""
+STAGES = ("advertise", "share-keys", "upload", "unmask")
+"""Stages of a secure round, in the order the server drives them (docs/protocols/secagg.md)."""
 
 M = TypeVar("M", bound=SecAggMessage)
 
@@ -78,7 +88,7 @@ def dict_from_records(config: ConfigRecord, arrays: ArrayRecord, *, copy: bool =
 
     With ``copy=False`` the arrays are read-only views on the records' npy bytes (the masked
     vector of an upload is read once, never copied); headers are checked against the data
-    present before anything is allocated (:func:`strategies._records.safe_numpy`).
+    present before anything is allocated (:func:`strategies.wire.safe_numpy`).
     """
     out: MessageDict = {}
     for key, value in dict(config).items():
@@ -126,9 +136,12 @@ def strip(content: RecordDict) -> RecordDict:
     return RecordDict({k: v for k, v in content.items() if k not in SECAGG_KEYS})
 
 
-def params_to_record(params: SecAggParams, site: int) -> ConfigRecord:
-    """Public parameters (and the receiving site's index) for a site."""
-    rec: dict[str, Any] = {"site": site}
+def params_to_record(params: SecAggParams, site: int, stage: str = "upload") -> ConfigRecord:
+    """Public parameters, the receiving site's index and the stage, for a site."""
+    if stage not in STAGES:
+        raise ProtocolError(explain(f"{PARAMS_KEY}.stage", stage, f"must be one of {STAGES}",
+                                    "use one of the listed stages"))
+    rec: dict[str, Any] = {"site": site, "stage": stage, "wire": SECAGG_WIRE}
     for name in _PARAM_FIELDS:
         value = getattr(params, name)
         if value is not None:
@@ -136,9 +149,25 @@ def params_to_record(params: SecAggParams, site: int) -> ConfigRecord:
     return ConfigRecord(rec)
 
 
-def params_from_record(record: ConfigRecord) -> tuple[int, SecAggParams]:
-    """``(site index, SecAggParams)`` from :func:`params_to_record`'s record."""
+def params_from_record(record: ConfigRecord) -> tuple[int, SecAggParams, str]:
+    """``(site index, SecAggParams, stage)`` from :func:`params_to_record`'s record.
+
+    Raises
+    ------
+    ProtocolError
+        Another wire version (the message names both), a bad stage, site or parameter.
+    """
     values = dict(record)
+    wire = values.pop("wire", 1)
+    if wire != SECAGG_WIRE:
+        raise ProtocolError(explain(f"{PARAMS_KEY}.wire", wire,
+                                    f"this site speaks secure-aggregation wire version "
+                                    f"{SECAGG_WIRE}", "run the same fedagg version on the "
+                                    "server and the sites"))
+    stage = values.pop("stage", None)
+    if stage not in STAGES:
+        raise ProtocolError(explain(f"{PARAMS_KEY}.stage", stage, f"must be one of {STAGES}",
+                                    "run the same fedagg version on the server and the sites"))
     site = values.pop("site", None)
     if not isinstance(site, int) or isinstance(site, bool):
         raise ProtocolError(explain(f"{PARAMS_KEY}.site", site, "must be an int",
@@ -147,7 +176,13 @@ def params_from_record(record: ConfigRecord) -> tuple[int, SecAggParams]:
     if unknown:
         raise ProtocolError(explain(PARAMS_KEY, sorted(unknown), "unknown parameters",
                                     "use the same fedagg version on server and sites"))
-    return site, SecAggParams(**values)  # type: ignore[arg-type]
+    try:
+        params = SecAggParams(**values)  # type: ignore[arg-type]
+    except (TypeError, ValueError, ConfigError) as exc:
+        raise ProtocolError(explain(PARAMS_KEY, "parameters", f"are invalid ({exc})",
+                                    "run the same fedagg version on the server and the sites")
+                            ) from None
+    return site, params, str(stage)
 
 
 class SiteIndex:

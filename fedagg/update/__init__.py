@@ -1,0 +1,49 @@
+"""The upload pipeline: one site update, parsed, encoded and decoded in one place.
+
+Flower-free core shared by both sides of a round:
+
+* :class:`UploadSpec` — ``compression.up`` / ``support`` / ``down`` (and whether the run is
+  secure), checked and parsed once;
+* :class:`SupportHistory` — the public history (models sent in this and the previous round)
+  that shared supports are derived from, kept alike by the server and the sites;
+* :class:`UploadPipeline` — at a site: delta once -> error feedback -> TopK or public
+  support -> quantization -> masking, producing one :class:`SiteUpload`;
+* :func:`decode_delta` / :func:`check_delta` / :func:`densify` — at the server: one update
+  back to a checked dense delta;
+* :func:`encode_down` / :func:`decode_down` — the global model's optional fp16 / bf16 codec.
+
+The Flower side serialises these objects once, in the public wire adapter
+``strategies.wire`` used by both the strategies and the client mod.
+"""
+
+from fedagg.update.decode import check_delta, decode_delta, densify
+from fedagg.update.downlink import decode_down, encode_down
+from fedagg.update.history import SupportHistory, flat_difference
+from fedagg.update.pipeline import SiteUpload, UploadPipeline, delta_of
+from fedagg.update.spec import (
+    DOWN_CODECS,
+    REVEALING_SUPPORTS,
+    SUPPORTS,
+    UploadSpec,
+    effective_spec,
+    public_seed,
+)
+
+__all__ = [
+    "DOWN_CODECS",
+    "REVEALING_SUPPORTS",
+    "SUPPORTS",
+    "SiteUpload",
+    "SupportHistory",
+    "UploadPipeline",
+    "UploadSpec",
+    "check_delta",
+    "decode_delta",
+    "decode_down",
+    "delta_of",
+    "densify",
+    "effective_spec",
+    "encode_down",
+    "flat_difference",
+    "public_seed",
+]

@@ -1,0 +1,128 @@
+"""The public round history that shared supports come from, kept alike by server and sites.
+
+A shared support of round ``t`` is a function of public data only: the run seed, ``t`` and,
+for ``topk-aggregate``, the previous public aggregate ``g_t - g_{t-1}`` (the model sent in
+round ``t`` minus the one sent in the last round before it). The server keeps one
+:class:`SupportHistory` per strategy; a site rebuilds the same object from the model it
+received and the previous one (kept in its state, or sent by the server when the site missed
+that round). Both then call :meth:`SupportHistory.compressor` / :meth:`SupportHistory.support`
+and get bit-identical results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from fedagg.compression import Compressor, find_shared_support
+from fedagg.update.spec import UploadSpec
+
+__all__ = ["SupportHistory", "flat_difference"]
+
+
+def flat_difference(a: Sequence[NDArray[Any]], b: Sequence[NDArray[Any]]) -> NDArray[np.float32]:
+    """``concat(a) - concat(b)`` in float32 (the public aggregate of one round)."""
+    out: NDArray[np.float32] = (np.concatenate([np.asarray(x, np.float32).ravel() for x in a])
+                                - np.concatenate([np.asarray(x, np.float32).ravel() for x in b]))
+    return out
+
+
+class SupportHistory:
+    """The models sent in the current and the previous round, and the supports they imply.
+
+    Parameters
+    ----------
+    spec : UploadSpec
+        The run's upload spec.
+    run_seed : int
+        ``run.seed`` (the public seed of supports is derived from it).
+
+    Attributes
+    ----------
+    round, previous_round : int
+        The current round and the last round before it that sent a model (``-1``: none).
+    sent, previous : list of ndarray or None
+        The global model as the sites decode it, in those rounds.
+    """
+
+    def __init__(self, spec: UploadSpec, run_seed: int) -> None:
+        self.spec = spec
+        self.run_seed = int(run_seed)
+        self.round = -1
+        self.sent: list[NDArray[np.float32]] | None = None
+        self.previous_round = -1
+        self.previous: list[NDArray[np.float32]] | None = None
+        self._holders: set[int] = set()
+        self.fresh: set[int] = set()
+        self._cache: tuple[int, Compressor] | None = None
+
+    @classmethod
+    def at_site(cls, spec: UploadSpec, run_seed: int, server_round: int,
+                sent: Sequence[NDArray[Any]], previous_round: int = -1,
+                previous: Sequence[NDArray[Any]] | None = None) -> SupportHistory:
+        """The history as a site sees it in ``server_round``."""
+        h = cls(spec, run_seed)
+        if previous is not None and previous_round >= 0:
+            h.previous_round = int(previous_round)
+            h.previous = [np.asarray(p, np.float32) for p in previous]
+        h.round, h.sent = int(server_round), [np.asarray(s, np.float32) for s in sent]
+        return h
+
+    def advance(self, server_round: int, sent: Sequence[NDArray[Any]]) -> None:
+        """Server: ``sent`` is the model (as decoded) of ``server_round``.
+
+        A new round moves the current model to :attr:`previous`; the sites that replied in
+        the round that ends become :attr:`fresh` (they hold its model and need not be sent it).
+        """
+        if self.sent is not None and server_round != self.round:
+            self.previous_round, self.previous = self.round, self.sent
+            self.fresh, self._holders = self._holders, set()
+        self.round, self.sent = int(server_round), [np.asarray(s, np.float32) for s in sent]
+        self._cache = None
+
+    def replied(self, nodes: Iterable[int]) -> None:
+        """Server: these nodes ran the pipeline in the current round (they keep its model)."""
+        self._holders.update(int(n) for n in nodes)
+
+    @property
+    def previous_aggregate(self) -> NDArray[np.float32] | None:
+        """``g_t - g_{t-1}`` when the spec needs it and both are known, else ``None``."""
+        if not self.spec.needs_previous or self.previous is None or self.sent is None:
+            return None
+        return flat_difference(self.sent, self.previous)
+
+    def compressor(self) -> Compressor:
+        """The compressor of the current round (built once per round)."""
+        if self._cache is None or self._cache[0] != self.round:
+            comp = self.spec.compressor(run_seed=self.run_seed, server_round=self.round,
+                                        previous_aggregate=self.previous_aggregate)
+            self._cache = (self.round, comp)
+        return self._cache[1]
+
+    def support(self) -> NDArray[np.int64] | None:
+        """The public flat support of the current round (``None``: dense or own indices)."""
+        if self.sent is None or not self.spec.public_support:
+            return None
+        stage = find_shared_support(self.compressor())
+        numel = sum(int(s.size) for s in self.sent)
+        return None if stage is None else stage.support_for(numel)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Rounds, the two models and the fresh nodes (plain data, for checkpoints)."""
+        return {"round": self.round, "previous_round": self.previous_round,
+                "sent": None if self.sent is None else [s.copy() for s in self.sent],
+                "previous": None if self.previous is None else [p.copy() for p in self.previous],
+                "holders": sorted(self._holders), "fresh": sorted(self.fresh)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        self.round, self.previous_round = int(state["round"]), int(state["previous_round"])
+        self.sent = None if state["sent"] is None else [np.asarray(s, np.float32)
+                                                        for s in state["sent"]]
+        self.previous = None if state["previous"] is None else [np.asarray(p, np.float32)
+                                                                for p in state["previous"]]
+        self._holders, self.fresh = set(state["holders"]), set(state["fresh"])
+        self._cache = None

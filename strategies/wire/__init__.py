@@ -1,0 +1,83 @@
+"""The Flower wire adapter: fedagg's core objects <-> Flower records, for both sides.
+
+One public module used by the strategies (server) and by the client mod / ClientApp (sites):
+nothing else converts between Flower records and fedagg's core objects.
+
+* :mod:`strategies.wire.arrays` — numpy arrays <-> ``ArrayRecord`` (npy headers checked
+  before allocation: :func:`safe_numpy`), config dicts <-> ``ConfigRecord``, the serialized
+  size of a message (:func:`message_nbytes`);
+* :mod:`strategies.wire.upload` — the upload pipeline's records: :class:`Instruction`, the
+  previous model, the compressed payload;
+* :mod:`strategies.wire.secagg` — secure-aggregation protocol messages, stages and public
+  parameters, Flower node ids <-> small site indices.
+"""
+
+from strategies.wire.arrays import (
+    arrays_to_record,
+    config_to_record,
+    message_nbytes,
+    numpy_array,
+    record_to_arrays,
+    record_to_config,
+    reply_metrics,
+    safe_numpy,
+)
+from strategies.wire.secagg import (
+    ARRAYS_KEY,
+    CONFIG_KEY,
+    PARAMS_KEY,
+    SECAGG_KEYS,
+    SECAGG_WIRE,
+    STAGES,
+    SiteIndex,
+    dict_from_records,
+    dict_to_records,
+    pack,
+    params_from_record,
+    params_to_record,
+    strip,
+    unpack,
+)
+from strategies.wire.upload import (
+    INSTRUCTION_KEY,
+    PAYLOAD_KEY,
+    PREVIOUS_KEY,
+    REPLY_KEY,
+    UPLOAD_WIRE,
+    Instruction,
+    payload_bytes,
+    payload_record,
+)
+
+__all__ = [
+    "ARRAYS_KEY",
+    "CONFIG_KEY",
+    "INSTRUCTION_KEY",
+    "PARAMS_KEY",
+    "PAYLOAD_KEY",
+    "PREVIOUS_KEY",
+    "REPLY_KEY",
+    "SECAGG_KEYS",
+    "SECAGG_WIRE",
+    "STAGES",
+    "UPLOAD_WIRE",
+    "Instruction",
+    "SiteIndex",
+    "arrays_to_record",
+    "config_to_record",
+    "dict_from_records",
+    "dict_to_records",
+    "message_nbytes",
+    "numpy_array",
+    "pack",
+    "params_from_record",
+    "params_to_record",
+    "payload_bytes",
+    "payload_record",
+    "record_to_arrays",
+    "record_to_config",
+    "reply_metrics",
+    "safe_numpy",
+    "strip",
+    "unpack",
+]
