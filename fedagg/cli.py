@@ -12,6 +12,12 @@
     authentication keys (see docs/deployment.md).
 ``fedagg bench allreduce [...]``
     The intra-site all-reduce benchmark (see docs/benchmarks.md).
+``fedagg viz schedule --algorithm ring|tree|hierarchical|ps|all --workers N [--size BYTES] -o FILE``
+    One self-contained HTML page animating the real all-reduce schedules (:mod:`fedagg.viz`).
+``fedagg report RUN_DIR [-o FILE]``
+    The HTML report of a run (``RUN_DIR/report.html``; ``fedagg simulate`` writes it too).
+``fedagg --version``
+    Print the installed version.
 
 This is the only core module allowed to import Flower, and only lazily inside a command.
 Bad configuration exits with status 2 and a message naming the field, the value, the rule and
@@ -24,6 +30,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,6 +44,7 @@ from fedagg.config import (
     validate_model,
 )
 from fedagg.errors import ConfigError, FedaggError, explain
+from fedagg.viz.console import ProcessWatch
 
 __all__ = ["main"]
 
@@ -109,46 +117,140 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         run_dir = Path(args.run_dir) if args.run_dir else new_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     records: list[dict[str, Any]] = []
+    from fedagg.viz.console import RoundProgress, filter_known_warnings
+
+    done = _checkpoint_round(run_dir) if args.resume else None
+    progress = RoundProgress(cfg.run.rounds, mode="quiet" if args.quiet else "auto",
+                             resumed_after=done or 0)
 
     def on_round(rec: dict[str, Any]) -> None:
         records.append(rec)
-        acc = "-" if rec.get("accuracy") is None else f"{rec['accuracy']:.4f}"
-        loss = "-" if rec.get("loss") is None else f"{rec['loss']:.4f}"
-        console.print(f"round {rec['round']:>3}/{cfg.run.rounds}  accuracy {acc}  loss {loss}  "
-                      f"up {rec.get('bytes_up', 0) / 1e6:7.3f} MB  down {rec.get('bytes_down', 0) / 1e6:7.3f} MB  "
-                      f"{rec.get('seconds', 0.0):6.2f} s")
+        progress.update(rec)
+        _WATCH.snapshot()  # Ray's processes, to stop them all on Ctrl-C
 
-    console.print(f"[bold]fedagg simulate[/]: {cfg.run.sites} sites, {cfg.run.rounds} rounds, "
-                  f"{cfg.data.dataset} ({cfg.data.partitioner}), strategy {cfg.strategy.name} -> {run_dir}")
+    if not args.quiet:
+        console.print(f"[bold]fedagg simulate[/]: {cfg.run.sites} sites, {cfg.run.rounds} rounds, "
+                      f"{cfg.data.dataset} ({cfg.data.partitioner}), strategy {cfg.strategy.name} -> "
+                      f"{run_dir}", soft_wrap=True)
+        if args.resume:
+            progress.message(f"resuming from round {done + 1} (checkpoint after round {done}) in "
+                             f"{run_dir}" if done is not None else f"resuming in {run_dir}")
     _quiet_flower(args.verbose)
+    filter_known_warnings()
     from flwr.simulation import run_simulation
 
-    run_simulation(
-        server_app=make_app(cfg, run_dir, on_round=on_round),
-        client_app=client_app,
-        num_supernodes=cfg.run.sites,
-        backend_config={
-            "client_resources": {"num_cpus": cfg.simulation.num_cpus, "num_gpus": cfg.simulation.num_gpus},
-            "init_args": {"log_to_driver": bool(args.verbose), "include_dashboard": False},
-        },
-        verbose_logging=bool(args.verbose),
-    )
+    progress.message("starting Flower's simulation engine ...")
+    previous = signal.signal(signal.SIGINT, _on_sigint)
+    try:
+        with progress:
+            run_simulation(
+                server_app=make_app(cfg, run_dir, on_round=on_round),
+                client_app=client_app,
+                num_supernodes=cfg.run.sites,
+                backend_config={
+                    "client_resources": {"num_cpus": cfg.simulation.num_cpus,
+                                         "num_gpus": cfg.simulation.num_gpus},
+                    "init_args": {"log_to_driver": bool(args.verbose), "include_dashboard": False},
+                },
+                verbose_logging=bool(args.verbose),
+            )
+    except KeyboardInterrupt:
+        return _interrupted(run_dir, progress)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    report = _write_report(run_dir)
     if len(records) < cfg.run.rounds + 1:
         console.print(f"[red]the run stopped after {max(len(records) - 1, 0)} of {cfg.run.rounds} rounds; "
                       f"see the log above[/]")
+        _list_outputs(run_dir, report)
         return 1
-    table = Table(title=f"fedagg run {run_dir.name}")
-    for col in ("round", "accuracy", "loss", "MB up", "MB down", "seconds"):
-        table.add_column(col, justify="right")
-    for rec in records:
-        table.add_row(str(rec["round"]),
-                      "-" if rec.get("accuracy") is None else f"{rec['accuracy']:.4f}",
-                      "-" if rec.get("loss") is None else f"{rec['loss']:.4f}",
-                      f"{rec.get('bytes_up', 0) / 1e6:.3f}", f"{rec.get('bytes_down', 0) / 1e6:.3f}",
-                      f"{rec.get('seconds', 0.0):.2f}")
-    console.print(table)
-    console.print(f"outputs: {run_dir}/metrics.json, metrics.csv, metrics.png, model.pt")
+    if not args.quiet:
+        table = Table(title=f"fedagg run {run_dir.name}")
+        for col in ("round", "accuracy", "loss", "MB up", "MB down", "seconds"):
+            table.add_column(col, justify="right")
+        for rec in records:
+            table.add_row(str(rec["round"]),
+                          "-" if rec.get("accuracy") is None else f"{rec['accuracy']:.4f}",
+                          "-" if rec.get("loss") is None else f"{rec['loss']:.4f}",
+                          f"{rec.get('bytes_up', 0) / 1e6:.3f}", f"{rec.get('bytes_down', 0) / 1e6:.3f}",
+                          f"{rec.get('seconds', 0.0):.2f}")
+        console.print(table)
+    _list_outputs(run_dir, report)
     return 0
+
+
+def _checkpoint_round(run_dir: Path) -> int | None:
+    """The last completed round in ``run_dir``'s checkpoint (its metadata only), or None."""
+    import numpy as np
+
+    try:
+        with np.load(run_dir / "checkpoint.npz", allow_pickle=False) as npz:
+            return int(json.loads(bytes(npz["meta"]).decode())["round"])
+    except (OSError, KeyError, ValueError, TypeError):
+        return None
+
+
+def _write_report(run_dir: Path) -> Path | None:
+    """``run_dir/report.html`` from its metrics.json; None (and a warning) if it cannot be made."""
+    from fedagg.viz.run_report import write_report
+
+    if not (run_dir / "metrics.json").is_file():
+        return None
+    try:
+        return write_report(run_dir)
+    except (FedaggError, OSError) as exc:
+        logging.getLogger(__name__).warning("no report.html: %s", exc)
+        return None
+
+
+def _list_outputs(run_dir: Path, report: Path | None) -> None:
+    """Every file the run wrote, with its size; the report's path on its own line."""
+    files = sorted(p for p in run_dir.iterdir() if p.is_file() and not p.name.startswith("."))
+    print(f"outputs in {run_dir}:")
+    for p in files:
+        print(f"  {p.name:<16} {p.stat().st_size:>12,d} bytes")
+    if report is not None:
+        print(f"report: {report}")
+
+
+_WATCH = ProcessWatch()
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    """First Ctrl-C: mute the engine's logs and stop; a second one exits at once."""
+    _WATCH.snapshot()
+    for name in ("flwr", "ray"):
+        logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+    raise KeyboardInterrupt
+
+
+def _interrupted(run_dir: Path, progress: Any) -> int:
+    """Stop cleanly after Ctrl-C: engine down, children gone, a resume hint, exit status 130."""
+    import threading
+
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+    progress.close()
+    try:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+    except Exception as exc:  # best effort: the children are stopped below
+        logging.getLogger(__name__).debug("ray.shutdown after Ctrl-C: %s", exc)
+    _WATCH.stop(timeout=3.0)
+    if (run_dir / "checkpoint.npz").is_file():
+        print(f"\ninterrupted; resume with: fedagg simulate --resume {run_dir}", file=sys.stderr)
+    else:
+        print("\ninterrupted before the first checkpoint; nothing to resume", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    others = [t for t in threading.enumerate()
+              if t is not threading.current_thread() and not t.daemon and t.is_alive()]
+    if others:  # Flower's ServerApp thread waits for replies that will never come
+        logging.shutdown()
+        os._exit(130)
+    return 130
 
 
 def _quiet_flower(verbose: bool) -> None:
@@ -194,9 +296,21 @@ def _cmd_certs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fedagg")
+    except PackageNotFoundError:
+        from fedagg import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``fedagg`` command."""
     parser = argparse.ArgumentParser(prog="fedagg", description="Federated aggregation on Flower.")
+    parser.add_argument("--version", action="version", version=f"fedagg {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     sim = sub.add_parser("simulate", help="run a federation in Flower's simulation engine")
     _add_config_args(sim)
@@ -206,6 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="continue the run in RUN_DIR from its last checkpoint "
                      "(its own config.json; -c run.rounds=N extends it)")
     sim.add_argument("-v", "--verbose", action="store_true", help="show Flower's and Ray's logs")
+    sim.add_argument("-q", "--quiet", action="store_true",
+                     help="no per-round output; only errors and the list of output files")
     cfg = sub.add_parser("config", help="show or validate a configuration")
     cfg.add_argument("action", choices=["show", "validate", "reference"])
     _add_config_args(cfg)
@@ -223,7 +339,46 @@ def build_parser() -> argparse.ArgumentParser:
                        help="SuperLink certificate validity in days")
     bench = sub.add_parser("bench", help="run a benchmark (extra arguments are passed on)")
     bench.add_argument("what", choices=["allreduce"])
+    _add_viz_args(sub)
     return parser
+
+
+def _add_viz_args(sub: Any) -> None:
+    from fedagg.viz.schedule_view import ALGORITHMS
+
+    viz = sub.add_parser("viz", help="self-contained HTML views (all-reduce schedules)")
+    viz.add_argument("what", choices=["schedule"])
+    viz.add_argument("--algorithm", choices=list(ALGORITHMS), default="all",
+                     help="schedule to animate; all = ring, tree and parameter server side by side")
+    viz.add_argument("--workers", type=int, default=4, metavar="N", help="number of ranks")
+    viz.add_argument("--size", type=int, default=1 << 20, metavar="BYTES",
+                     help="all-reduced buffer size in bytes (float32), default 1 MiB")
+    viz.add_argument("--benchmarks", metavar="FILE",
+                     help="measured figures (default: docs/benchmarks.md here, if present)")
+    viz.add_argument("-o", "--out", required=True, metavar="FILE", help="HTML file to write")
+    rep_ = sub.add_parser("report", help="write the HTML report of a run directory")
+    rep_.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (holds metrics.json)")
+    rep_.add_argument("-o", "--out", metavar="FILE", help="default: RUN_DIR/report.html")
+
+
+def _cmd_viz(args: argparse.Namespace) -> int:
+    from fedagg.viz.schedule_page import write_schedule_page
+
+    bench = args.benchmarks
+    if bench is None:
+        local = Path("docs") / "benchmarks.md"
+        bench = local if local.is_file() else None
+    out = write_schedule_page(args.out, args.algorithm, args.workers, args.size, benchmarks=bench)
+    print(f"wrote {out}")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from fedagg.viz.run_report import write_report
+
+    out = write_report(args.run_dir, args.out)
+    print(f"report: {out}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -239,10 +394,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_simulate(args)
         if args.command == "certs":
             return _cmd_certs(args)
+        if args.command == "viz":
+            return _cmd_viz(args)
+        if args.command == "report":
+            return _cmd_report(args)
         return _cmd_bench(args, rest)
     except FedaggError as exc:
         print(f"fedagg: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before the engine started (it has its own stop in simulate)
+        print("\ninterrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,290 @@
+"""HTML body, CSS and JavaScript of the run report (``fedagg report``), as Python strings."""
+
+from __future__ import annotations
+
+__all__ = ["REPORT_BODY", "REPORT_CSS", "REPORT_JS"]
+
+REPORT_CSS = """
+.charts { display: flex; flex-wrap: wrap; gap: 12px; }
+.chart { background: var(--panel); border: 1px solid var(--line); border-radius: 6px; padding: 6px 8px; }
+.chart h3 { margin: 2px 0 2px; }
+.kv { display: flex; flex-wrap: wrap; gap: 18px; margin: 6px 0; }
+.kv div b { display: block; font-size: 18px; }
+#tip { position: fixed; pointer-events: none; background: #1d2330; color: #fff; font-size: 12px;
+       padding: 4px 7px; border-radius: 4px; max-width: 420px; display: none; z-index: 9; }
+.swatch { display: inline-block; width: 10px; height: 10px; margin: 0 4px 0 10px; vertical-align: middle; }
+"""
+
+REPORT_BODY = """
+<h1 id="title">fedagg run report</h1>
+<div class="muted small" id="subtitle"></div>
+<div class="kv" id="summary"></div>
+<h2>Model quality</h2><div class="charts" id="quality"></div>
+<h2>Traffic</h2><div class="muted small" id="traffic-note"></div><div class="charts" id="traffic"></div>
+<h2>Time per round</h2><div class="charts" id="time"></div>
+<h2>Sites &times; rounds</h2>
+<div class="muted small">Hover a cell for the reason. Rows <i>site p</i> are partition ids
+(accepted = its update went into the aggregate); rows <i>node n</i> are Flower node ids whose
+update the server rejected.</div>
+<div class="charts" id="sites-map"></div>
+<h2>Intra-site training</h2><div class="muted small" id="site-note"></div>
+<div class="charts" id="site-charts"></div><table id="site-table"></table>
+<h2>Secure aggregation</h2><div id="secagg"></div>
+<h2>Configuration</h2><pre id="config"></pre>
+<div id="tip"></div>
+"""
+
+REPORT_JS = r"""
+(function () {
+  "use strict";
+  const D = JSON.parse(document.getElementById("fedagg-data").textContent);
+  const NS = "http://www.w3.org/2000/svg";
+  const COLOURS = ["#1c7ed6", "#e8590c", "#2b8a3e", "#ae3ec9", "#f59f00", "#0c8599", "#c92a2a", "#5c940d"];
+  const tip = document.getElementById("tip");
+  function el(tag, attrs, parent) {
+    const e = document.createElementNS(NS, tag);
+    for (const k in attrs) e.setAttribute(k, attrs[k]);
+    if (parent) parent.appendChild(e);
+    return e;
+  }
+  function h(tag, attrs, text, parent) {
+    const e = document.createElement(tag);
+    for (const k in (attrs || {})) e.setAttribute(k, attrs[k]);
+    if (text !== undefined && text !== null) e.textContent = text;
+    if (parent) parent.appendChild(e);
+    return e;
+  }
+  function hover(node, text) {
+    el("title", {}, node).textContent = text;
+    node.addEventListener("mousemove", function (ev) {
+      tip.textContent = text; tip.style.display = "block";
+      tip.style.left = (ev.clientX + 12) + "px"; tip.style.top = (ev.clientY + 12) + "px";
+    });
+    node.addEventListener("mouseleave", function () { tip.style.display = "none"; });
+  }
+  function fmtBytes(b) {
+    if (b === null || b === undefined) return "\u2013";
+    const a = Math.abs(b);
+    if (a >= 1e9) return (b / 1e9).toFixed(2) + " GB";
+    if (a >= 1e6) return (b / 1e6).toFixed(2) + " MB";
+    if (a >= 1e3) return (b / 1e3).toFixed(1) + " kB";
+    return b.toFixed(0) + " B";
+  }
+  function fmtNum(v, d) { return v === null || v === undefined ? "\u2013" : Number(v).toFixed(d === undefined ? 3 : d); }
+  function nice(max) {
+    if (!(max > 0)) return 1;
+    const p = Math.pow(10, Math.floor(Math.log10(max))), f = max / p;
+    return (f <= 1 ? 1 : f <= 2 ? 2 : f <= 5 ? 5 : 10) * p;
+  }
+
+  // A chart over rounds. series: [{name, values, kind: "line"|"bar"}]; values aligned with xs.
+  function chart(host, id, title, xs, series, opts) {
+    opts = opts || {};
+    const W = opts.width || 440, H = opts.height || 220, L = 56, R = 12, T = 10, B = 34;
+    const box = h("div", {"class": "chart"}, null, host);
+    h("h3", null, title, box);
+    const legend = h("div", {"class": "small"}, null, box);
+    series.forEach(function (s, i) {
+      const sw = h("span", {"class": "swatch"}, null, legend);
+      sw.style.background = s.colour || COLOURS[i % COLOURS.length];
+      legend.appendChild(document.createTextNode(s.name));
+    });
+    const svg = el("svg", {width: W, height: H, "data-chart": id}, box);
+    let vmax = 0, vmin = 0;
+    for (const s of series) for (const v of s.values) if (v !== null && v !== undefined) {
+      vmax = Math.max(vmax, v); vmin = Math.min(vmin, v);
+    }
+    if (opts.ymax !== undefined) vmax = Math.max(vmax, opts.ymax);
+    const top = nice(vmax), n = xs.length;
+    const xAt = function (i) { return L + (n <= 1 ? (W - L - R) / 2 : (W - L - R) * (i + 0.5) / n); };
+    const yAt = function (v) { return T + (H - T - B) * (1 - (v - vmin) / ((top - vmin) || 1)); };
+    for (let g = 0; g <= 4; g++) {
+      const v = vmin + (top - vmin) * g / 4, y = yAt(v);
+      el("line", {x1: L, x2: W - R, y1: y, y2: y, stroke: "#d7dce4"}, svg);
+      el("text", {x: L - 4, y: y + 4, "text-anchor": "end", "font-size": 10, fill: "#5b6475"}, svg)
+        .textContent = opts.fmt ? opts.fmt(v) : fmtNum(v, 2);
+    }
+    const every = Math.max(1, Math.ceil(n / 12));
+    xs.forEach(function (x, i) {
+      if (i % every === 0) el("text", {x: xAt(i), y: H - B + 14, "text-anchor": "middle", "font-size": 10,
+                                       fill: "#5b6475"}, svg).textContent = String(x);
+    });
+    el("text", {x: (L + W - R) / 2, y: H - 4, "text-anchor": "middle", "font-size": 11, fill: "#5b6475"}, svg)
+      .textContent = "round";
+    const bars = series.filter(function (s) { return s.kind === "bar"; });
+    const slot = (W - L - R) / Math.max(n, 1), bw = Math.max(1, slot * 0.8 / Math.max(bars.length, 1));
+    series.forEach(function (s, si) {
+      const colour = s.colour || COLOURS[si % COLOURS.length];
+      const g = el("g", {"data-series": s.name}, svg);
+      if (s.kind === "bar") {
+        const bi = bars.indexOf(s);
+        s.values.forEach(function (v, i) {
+          if (v === null || v === undefined) return;
+          const x = xAt(i) - slot * 0.4 + bi * bw, y = yAt(Math.max(v, 0)), y0 = yAt(0);
+          const r = el("rect", {x: x, y: Math.min(y, y0), width: bw, height: Math.abs(y0 - y), fill: colour,
+                                "data-round": String(xs[i]), "data-value": String(v), "class": "pt"}, g);
+          hover(r, s.name + ", round " + xs[i] + ": " + (opts.fmt ? opts.fmt(v) : fmtNum(v, 4)));
+        });
+        return;
+      }
+      const d = [];
+      let down = false;
+      s.values.forEach(function (v, i) {
+        if (v === null || v === undefined) { down = false; return; }
+        d.push((down ? "L" : "M") + xAt(i).toFixed(1) + "," + yAt(v).toFixed(1));
+        down = true;
+      });
+      if (d.length) el("path", {d: d.join(" "), fill: "none", stroke: colour, "stroke-width": 2,
+                                "stroke-dasharray": s.dash || "none"}, g);
+      s.values.forEach(function (v, i) {
+        if (v === null || v === undefined) return;
+        const c = el("circle", {cx: xAt(i), cy: yAt(v), r: 3, fill: colour, "class": "pt",
+                                "data-round": String(xs[i]), "data-value": String(v)}, g);
+        hover(c, s.name + ", round " + xs[i] + ": " + (opts.fmt ? opts.fmt(v) : fmtNum(v, 4)));
+      });
+    });
+    return svg;
+  }
+
+  // header and summary
+  const cfg = D.config || {};
+  document.getElementById("title").textContent = "fedagg run report: " + D.run;
+  const parts = [];
+  if (cfg.run) parts.push(cfg.run.sites + " sites, " + cfg.run.rounds + " rounds");
+  if (cfg.data) parts.push(cfg.data.dataset + " (" + cfg.data.partitioner + ")");
+  if (cfg.model) parts.push("model " + cfg.model.name);
+  if (cfg.strategy) parts.push("strategy " + cfg.strategy.name);
+  if (cfg.compression) parts.push("compression up " + cfg.compression.up + ", down " + cfg.compression.down);
+  document.getElementById("subtitle").textContent = parts.join(" \u00b7 ");
+  const last = function (xs) { for (let i = xs.length - 1; i >= 0; i--) if (xs[i] !== null) return xs[i]; return null; };
+  const T = D.traffic;
+  const summary = document.getElementById("summary");
+  [["final accuracy", fmtNum(last(D.accuracy), 4)], ["final loss", fmtNum(last(D.loss), 4)],
+   ["rounds", String(Math.max(0, D.rounds.length - 1))],
+   ["bytes up (total)", fmtBytes(last(T.cum_up))], ["bytes down (total)", fmtBytes(last(T.cum_down))],
+   ["up vs dense fp32", T.ratio_up_total === null ? "\u2013" : fmtNum(T.ratio_up_total, 3) + "\u00d7"],
+   ["total seconds", fmtNum(D.seconds.reduce(function (a, b) { return a + (b || 0); }, 0), 1)]
+  ].forEach(function (kv) { const d = h("div", null, kv[0], summary); h("b", null, kv[1], d); });
+
+  const xs = D.rounds;
+  const q = document.getElementById("quality");
+  chart(q, "accuracy", "Accuracy (central test set)", xs, [{name: "accuracy", values: D.accuracy}], {ymax: 1});
+  const lossSeries = [{name: "loss", values: D.loss, colour: COLOURS[1]}];
+  if (D.train_loss.some(function (v) { return v !== null; }))
+    lossSeries.push({name: "train_loss", values: D.train_loss, colour: COLOURS[3], dash: "5 3"});
+  chart(q, "loss", "Loss", xs, lossSeries);
+
+  const tr = document.getElementById("traffic");
+  const note = document.getElementById("traffic-note");
+  note.textContent = T.params ? ("Dense fp32 reference: " + T.params + " parameters \u00d7 4 B = " +
+    fmtBytes(T.dense_bytes_per_message) + " per message (up: per replying site, down: per sampled site). " +
+    "Ratio = measured bytes / dense bytes (< 1: compressed).") :
+    "No model.npz or checkpoint in the run directory: the dense fp32 reference is unknown.";
+  chart(tr, "bytes", "Bytes per round", xs, [{name: "bytes_up", values: T.bytes_up, kind: "bar"},
+    {name: "bytes_down", values: T.bytes_down, kind: "bar", colour: COLOURS[1]}], {fmt: fmtBytes});
+  chart(tr, "cumulative", "Cumulative bytes", xs, [{name: "cum_up", values: T.cum_up},
+    {name: "cum_down", values: T.cum_down, colour: COLOURS[1]}], {fmt: fmtBytes});
+  if (T.ratio_up) chart(tr, "ratio", "Bytes / dense fp32", xs, [{name: "ratio_up", values: T.ratio_up},
+    {name: "ratio_down", values: T.ratio_down, colour: COLOURS[1]}], {ymax: 1});
+
+  const tm = document.getElementById("time");
+  const phaseSeries = [{name: "seconds", values: D.seconds, colour: "#1d2330"}];
+  Object.keys(D.phases).forEach(function (k, i) { phaseSeries.push({name: k, values: D.phases[k], colour: COLOURS[(i + 1) % COLOURS.length]}); });
+  chart(tm, "phases", "Seconds per round and per phase", xs, phaseSeries, {width: 600, fmt: function (v) { return fmtNum(v, 2); }});
+
+  // site x round map
+  const HM = D.heatmap, hm = document.getElementById("sites-map");
+  if (HM.rows.length && HM.rounds.length) {
+    const box = h("div", {"class": "chart"}, null, hm);
+    const legend = h("div", {"class": "small"}, null, box);
+    const STATE = {accepted: "#2b8a3e", absent: "#dee2e6", rejected: "#c92a2a", none: "#f8f9fa", unknown: "#adb5bd"};
+    for (const s in STATE) { const sw = h("span", {"class": "swatch"}, null, legend); sw.style.background = STATE[s]; legend.appendChild(document.createTextNode(s)); }
+    const cw = Math.max(10, Math.min(36, 640 / HM.rounds.length)), ch = 18, L = 104, Tp = 22;
+    const svg = el("svg", {width: L + cw * HM.rounds.length + 10, height: Tp + ch * HM.rows.length + 40, "data-chart": "heatmap"}, box);
+    HM.rows.forEach(function (r, i) {
+      el("text", {x: L - 6, y: Tp + ch * i + 13, "text-anchor": "end", "font-size": 11}, svg).textContent = r;
+    });
+    const every = Math.max(1, Math.ceil(HM.rounds.length / 16));
+    HM.rounds.forEach(function (r, j) {
+      if (j % every === 0) el("text", {x: L + cw * j + cw / 2, y: Tp - 6, "text-anchor": "middle", "font-size": 10}, svg).textContent = String(r);
+    });
+    const col = {}; HM.rounds.forEach(function (r, j) { col[r] = j; });
+    const row = {}; HM.rows.forEach(function (r, i) { row[r] = i; });
+    for (const c of HM.cells) {
+      const rect = el("rect", {x: L + cw * col[c.round] + 1, y: Tp + ch * row[c.row] + 1, width: cw - 2, height: ch - 2,
+                               fill: STATE[c.state] || "#fff", "data-state": c.state, "data-row": c.row,
+                               "data-round": String(c.round), "class": "cell"}, svg);
+      hover(rect, c.title);
+    }
+    const y0 = Tp + ch * HM.rows.length + 14;
+    el("text", {x: L - 6, y: y0, "text-anchor": "end", "font-size": 10, fill: "#5b6475"}, svg).textContent = "replied/sampled";
+    HM.rounds.forEach(function (r, j) {
+      if (j % every === 0) el("text", {x: L + cw * j + cw / 2, y: y0, "text-anchor": "middle", "font-size": 9, fill: "#5b6475"}, svg)
+        .textContent = (HM.replied[j] === null ? "?" : HM.replied[j]) + "/" + (HM.sampled[j] === null ? "?" : HM.sampled[j]);
+    });
+  } else {
+    h("div", {"class": "muted"}, "No training rounds recorded.", hm);
+  }
+
+  // intra-site training
+  const S = D.sites, sc = document.getElementById("site-charts"), st = document.getElementById("site-table");
+  const sn = document.getElementById("site-note");
+  const algo = cfg.site ? cfg.site.algorithm : "?";
+  sn.textContent = "Summed over the rounds each site took part in (site_metrics in metrics.json). Exposed communication = time the " +
+    "training thread waited for all-reduce after backward; bus bandwidth = bytes all-reduced / time in all-reduce \u00d7 2(K-1)/K. " +
+    "Configured all-reduce: site.algorithm = " + algo + ".";
+  if (S.length) {
+    const ids = S.map(function (s) { return "site " + s.site; });
+    const box = h("div", {"class": "chart"}, null, sc);
+    h("h3", null, "Compute vs exposed communication (s)", box);
+    const W = 460, rowH = 20, L = 70;
+    const svg = el("svg", {width: W, height: rowH * S.length + 10, "data-chart": "site-time"}, box);
+    const tmax = Math.max(...S.map(function (s) { return s.compute_seconds + s.comm_wait_seconds; }), 1e-9);
+    S.forEach(function (s, i) {
+      el("text", {x: L - 6, y: rowH * i + 14, "text-anchor": "end", "font-size": 11}, svg).textContent = ids[i];
+      const wc = (W - L - 80) * s.compute_seconds / tmax, ww = (W - L - 80) * s.comm_wait_seconds / tmax;
+      hover(el("rect", {x: L, y: rowH * i + 3, width: Math.max(wc, 0.5), height: rowH - 6, fill: COLOURS[0],
+                        "data-value": String(s.compute_seconds), "data-series": "compute_seconds", "data-site": s.site}, svg),
+            ids[i] + ": compute " + fmtNum(s.compute_seconds, 3) + " s");
+      hover(el("rect", {x: L + wc, y: rowH * i + 3, width: Math.max(ww, 0.5), height: rowH - 6, fill: COLOURS[1],
+                        "data-value": String(s.comm_wait_seconds), "data-series": "comm_wait_seconds", "data-site": s.site}, svg),
+            ids[i] + ": exposed communication " + fmtNum(s.comm_wait_seconds, 3) + " s");
+      el("text", {x: L + wc + ww + 4, y: rowH * i + 14, "font-size": 10, fill: "#5b6475"}, svg).textContent =
+        fmtNum(s.compute_seconds + s.comm_wait_seconds, 2) + " s";
+    });
+    const head = h("tr", null, null, h("thead", null, null, st));
+    ["site", "rounds", "workers K", "examples", "compute s", "exposed comm s", "in all-reduce s", "bytes all-reduced", "bus bw GB/s"]
+      .forEach(function (c) { h("th", null, c, head); });
+    const body = h("tbody", null, null, st);
+    for (const s of S) {
+      const r = h("tr", {"data-site": s.site}, null, body);
+      [s.site, s.rounds, s.workers, fmtNum(s.num_examples, 0), fmtNum(s.compute_seconds, 3), fmtNum(s.comm_wait_seconds, 3),
+       fmtNum(s.comm_seconds, 3), fmtBytes(s.bytes_allreduced), s.busbw_gb_s === null ? "\u2013" : fmtNum(s.busbw_gb_s, 3)]
+        .forEach(function (v) { h("td", null, String(v), r); });
+    }
+  } else {
+    h("div", {"class": "muted"}, "No per-site metrics in this run.", sc);
+  }
+
+  // secure aggregation
+  const SA = D.secagg, sa = document.getElementById("secagg");
+  if (SA.keys.length) {
+    const charts = h("div", {"class": "charts"}, null, sa);
+    const shown = SA.keys.filter(function (k) { return /counted|dropped|recovered|survivors/.test(k); });
+    chart(charts, "secagg", "Sites counted / dropped per round", SA.rounds,
+          (shown.length ? shown : SA.keys).map(function (k, i) { return {name: k, values: SA.values[k], kind: "bar", colour: COLOURS[(i + 2) % COLOURS.length]}; }),
+          {fmt: function (v) { return fmtNum(v, 0); }});
+    const t = h("table", null, null, sa), hr = h("tr", null, null, h("thead", null, null, t));
+    h("th", null, "round", hr); SA.keys.forEach(function (k) { h("th", null, k, hr); });
+    const tb = h("tbody", null, null, t);
+    SA.rounds.forEach(function (r, i) {
+      const row = h("tr", null, null, tb); h("td", null, String(r), row);
+      SA.keys.forEach(function (k) { h("td", null, fmtNum(SA.values[k][i], 4), row); });
+    });
+  } else {
+    h("div", {"class": "muted"}, "Secure aggregation was not used in this run (no secagg_* keys).", sa);
+  }
+  document.getElementById("config").textContent = JSON.stringify(cfg, null, 2);
+  document.body.dataset.ready = "1";
+})();
+"""
