@@ -95,6 +95,9 @@ def _cmd_config(args: argparse.Namespace) -> int:
     if args.action == "show":
         print(_toml(cfg))
     else:
+        from server.preflight import preflight
+
+        preflight(cfg)  # strategy names and options, compression, data: no engine started
         print("configuration is valid")
     return 0
 
@@ -102,6 +105,9 @@ def _cmd_config(args: argparse.Namespace) -> int:
 def _cmd_simulate(args: argparse.Namespace) -> int:
     extra = [f"run.seed={args.seed}"] if args.seed is not None else []
     cfg = _resume_config(args, extra) if args.resume else _config(args, extra)
+    from server.preflight import preflight
+
+    preflight(cfg)  # what would fail in round 1 fails here, before the engine starts
     os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     from rich.console import Console
@@ -162,6 +168,14 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if len(records) < cfg.run.rounds + 1:
         console.print(f"[red]the run stopped after {max(len(records) - 1, 0)} of {cfg.run.rounds} rounds; "
                       f"see the log above[/]")
+        _list_outputs(run_dir, report)
+        return 1
+    if not any(rec.get("model_updated") for rec in records[1:]):
+        console.print("[red]no round changed the global model: every reply failed or was "
+                      "refused[/]", soft_wrap=True)
+        for rec in records[1:][-10:]:
+            if rec.get("summary"):
+                console.print(f"  {rec['summary']}", soft_wrap=True, markup=False)
         _list_outputs(run_dir, report)
         return 1
     if not args.quiet:

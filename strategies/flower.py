@@ -10,7 +10,10 @@ strategy they wrap as ``options.strategy`` (a name, default fedagg's ``fedavg``)
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import logging
+from collections.abc import Iterator
 from typing import Any
 
 from flwr.serverapp import strategy as flwr_strategy
@@ -50,6 +53,24 @@ def flower_strategy_class(name: str) -> type[Strategy]:
                                   + ", ".join(flower_strategy_names()),
                                   "spell the class as Flower exports it, e.g. 'flwr:FedAdam'"))
     return obj
+
+
+class _DropZeroFraction(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(("fraction_evaluate is set to 0.0",
+                                               "fraction_train is set to 0.0"))
+
+
+@contextlib.contextmanager
+def _quiet_zero_fraction() -> Iterator[None]:
+    """Flower warns at construction when a fraction is 0; fedagg's run config defaults
+    ``run.fraction_evaluate`` to 0 on purpose (the server evaluates centrally)."""
+    logger, quiet = logging.getLogger("flwr"), _DropZeroFraction()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 def _parameters(cls: type) -> dict[str, inspect.Parameter]:
@@ -108,7 +129,8 @@ def build_flower_strategy(name: str, options: dict[str, Any], cfg: RunConfig,
                                   f"is required by {cls.__name__}",
                                   f"set [strategy.options] {missing[0]} = ..."))
     try:
-        return cls(**kwargs)
+        with _quiet_zero_fraction():
+            return cls(**kwargs)
     except (TypeError, ValueError) as exc:
         raise ConfigError(explain("strategy.options", options,
                                   f"{cls.__name__} refused them: {exc}",

@@ -57,7 +57,7 @@ class SupportHistory:
         self.previous: list[NDArray[np.float32]] | None = None
         self._holders: set[int] = set()
         self.fresh: set[int] = set()
-        self._cache: tuple[int, Compressor] | None = None
+        self._support: tuple[int, NDArray[np.int64] | None] | None = None
 
     @classmethod
     def at_site(cls, spec: UploadSpec, run_seed: int, server_round: int,
@@ -81,7 +81,7 @@ class SupportHistory:
             self.previous_round, self.previous = self.round, self.sent
             self.fresh, self._holders = self._holders, set()
         self.round, self.sent = int(server_round), [np.asarray(s, np.float32) for s in sent]
-        self._cache = None
+        self._support = None
 
     def replied(self, nodes: Iterable[int]) -> None:
         """Server: these nodes ran the pipeline in the current round (they keep its model)."""
@@ -95,20 +95,22 @@ class SupportHistory:
         return flat_difference(self.sent, self.previous)
 
     def compressor(self) -> Compressor:
-        """The compressor of the current round (built once per round)."""
-        if self._cache is None or self._cache[0] != self.round:
-            comp = self.spec.compressor(run_seed=self.run_seed, server_round=self.round,
-                                        previous_aggregate=self.previous_aggregate)
-            self._cache = (self.round, comp)
-        return self._cache[1]
+        """A new compressor of the current round (stateful: one per site and round)."""
+        return self.spec.compressor(run_seed=self.run_seed, server_round=self.round,
+                                    previous_aggregate=self.previous_aggregate)
 
     def support(self) -> NDArray[np.int64] | None:
-        """The public flat support of the current round (``None``: dense or own indices)."""
+        """The public flat support of the current round (``None``: dense or own indices).
+
+        Computed once per round (the server asks for it for every reply).
+        """
         if self.sent is None or not self.spec.public_support:
             return None
-        stage = find_shared_support(self.compressor())
-        numel = sum(int(s.size) for s in self.sent)
-        return None if stage is None else stage.support_for(numel)
+        if self._support is None or self._support[0] != self.round:
+            stage = find_shared_support(self.compressor())
+            numel = sum(int(s.size) for s in self.sent)
+            self._support = (self.round, None if stage is None else stage.support_for(numel))
+        return self._support[1]
 
     def state_dict(self) -> dict[str, Any]:
         """Rounds, the two models and the fresh nodes (plain data, for checkpoints)."""
@@ -125,4 +127,4 @@ class SupportHistory:
         self.previous = None if state["previous"] is None else [np.asarray(p, np.float32)
                                                                 for p in state["previous"]]
         self._holders, self.fresh = set(state["holders"]), set(state["fresh"])
-        self._cache = None
+        self._support = None
