@@ -11,7 +11,7 @@ app of ``flwr run .`` and ``fedagg simulate``) is the built-in task of the run c
     when the server's strategy asks for it (:class:`strategies.Compressed`,
     :class:`strategies.SecureAggregation`), with the compressed or masked upload
     (:mod:`clients.protocol`). Works with any Flower strategy: config keys fedagg does not
-    know (FedProx's ``proximal_mu``, ...) reach the task's step (``StepContext.config``).
+    know (FedProx's ``proximal-mu``, ...) reach the task's step (``StepContext.config``).
 ``evaluate``
     evaluates the global model on the site's *held-out* split (``SiteData.eval``) and
     replies ``eval_loss``, ``eval_acc`` and ``num-examples``.

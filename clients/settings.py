@@ -12,7 +12,7 @@ Sources, later ones win:
 4. the SuperNode's ``node_config`` for the site keys an operator sets (``workers``, ``mode``,
    ``algorithm``, ``data-path``, ``site-name``; :class:`NodeConfig`).
 
-Every other key (Flower FedProx's ``proximal_mu``, client-side DP's ``clipping_norm``, a
+Every other key (Flower FedProx's ``proximal-mu``, client-side DP's ``clipping_norm``, a
 user's own) is not an error: it reaches the user's training step unchanged in
 :attr:`SiteSettings.config` (``StepContext.config``). Only a *fedagg* key with a bad value is
 refused, naming the node, the field, the value, the rule and the fix.

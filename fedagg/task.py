@@ -22,7 +22,7 @@ a ``DistributedSampler``; then the workers' gradients are averaged (DDP's semant
 al. 2020, VLDB, section 3.2) and every worker runs as many steps as the shortest shard.
 
 Steps. The default step is ``loss(model(x), y)`` on a batch ``(x, y)`` (plus FedProx's
-proximal term ``mu/2 ||w - w_global||^2`` when the round's config carries ``proximal_mu``,
+proximal term ``mu/2 ||w - w_global||^2`` when the round's config carries ``proximal-mu``,
 Li et al. 2020, "Federated Optimization in Heterogeneous Networks", eq. 2). A custom
 ``train_step(model, batch, ctx)`` returns the mean loss of its batch; fedagg scales it, runs
 backward, reduces the gradients and steps the optimizer. ``ctx`` (:class:`StepContext`)
@@ -154,7 +154,7 @@ class TrainSettings:
         The round.
     config : mapping
         Every key of the round's config as the server sent it (fedagg's and others, e.g.
-        Flower FedProx's ``proximal_mu``).
+        Flower FedProx's ``proximal-mu``).
     """
 
     epochs: int = 1
@@ -217,12 +217,13 @@ def default_optimizer(params: Iterable[nn.Parameter], settings: TrainSettings
 
 
 def proximal_term(model: nn.Module, ctx: StepContext) -> torch.Tensor | None:
-    """FedProx's ``mu/2 * ||w - w_global||^2`` when the config has ``proximal_mu > 0``.
+    """FedProx's ``mu/2 * ||w - w_global||^2`` when the config has ``proximal-mu > 0``.
 
     Li et al. 2020, "Federated Optimization in Heterogeneous Networks" (MLSys), eq. 2; the
-    key is the one Flower's ``FedProx`` strategy sends.
+    key is the one Flower's ``FedProx`` strategy sends (``proximal-mu``; ``proximal_mu``, the
+    spelling of older Flower examples, is read too).
     """
-    mu = ctx.config.get("proximal_mu")
+    mu = ctx.config.get("proximal-mu", ctx.config.get("proximal_mu"))
     if not isinstance(mu, int | float) or isinstance(mu, bool) or not mu > 0:
         return None
     total = torch.zeros((), device=ctx.device)

@@ -1,0 +1,125 @@
+"""Contracts of the redesign: layers, wire versions, loud failures, checks before any engine.
+
+* ``clients/`` imports nothing private from ``strategies/``; the core never imports Flower;
+  the wrappers have no ``NotImplementedError`` left for Flower's own round loop.
+* The wire changed (secure stages are train messages; the instruction carries a version): a
+  fedagg 0.1 message is refused with a message that names both versions.
+* A run in which no round aggregated anything fails loudly (``RunFailed``, exit 1) with each
+  round's reasons; bad strategy names and options fail before any engine starts (exit 2).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+
+from clients import make_client_app
+from fedagg.config import load_config
+from fedagg.errors import ProtocolError, RunFailed
+from fedagg.secagg import SecAggParams
+from server.inprocess import InProcessGrid
+from server.runner import run_server
+from strategies.wire import Instruction, params_from_record, params_to_record
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _imports(path: Path) -> list[tuple[str, list[str]]]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out.append((node.module, [a.name for a in node.names]))
+        elif isinstance(node, ast.Import):
+            out.extend((a.name, []) for a in node.names)
+    return out
+
+
+def test_clients_import_nothing_private_from_strategies() -> None:
+    bad = []
+    for path in sorted((ROOT / "clients").glob("*.py")):
+        for module, names in _imports(path):
+            if not module.startswith("strategies"):
+                continue
+            if any(part.startswith("_") for part in module.split(".")) or any(
+                    n.startswith("_") for n in names):
+                bad.append(f"{path.name}: from {module} import {names}")
+    assert bad == []
+
+
+def test_core_never_imports_flower_and_wrappers_have_no_unimplemented_paths() -> None:
+    for path in sorted((ROOT / "fedagg").rglob("*.py")):
+        if path.name == "cli.py":
+            continue
+        assert not [m for m, _ in _imports(path) if m.split(".")[0] == "flwr"], path
+    for name in ("secure.py", "compressed.py", "wrapper.py"):
+        assert "NotImplementedError" not in (ROOT / "strategies" / name).read_text()
+
+
+def test_fedagg_0_1_wire_is_refused_with_both_versions_named() -> None:
+    old_instruction = ConfigRecord({"up": "topk:0.1", "down": "none", "down-encoded": [],
+                                    "run-seed": 0, "server-round": 1, "previous-round": -1,
+                                    "namespace": ""})
+    with pytest.raises(ProtocolError, match=r"wire = 1.*version 2"):
+        Instruction.from_record(old_instruction)
+    old_params = params_to_record(SecAggParams(threshold=2), 0)
+    old_params["wire"] = 1
+    with pytest.raises(ProtocolError, match=r"wire = 1.*version 2"):
+        params_from_record(old_params)
+    # a 0.1 server's setup message (query.secagg_advertise) gets a clear error reply
+    grid = InProcessGrid(make_client_app(), 1)
+    msg = Message(RecordDict({"config": ConfigRecord({})}), grid.node_ids[0],
+                  "query.secagg_advertise")
+    reply = next(iter(grid.send_and_receive([msg])))
+    assert reply.has_error() and "version 1" in reply.error.reason
+    assert "speaks version 2" in reply.error.reason
+
+
+def test_a_run_that_aggregates_nothing_fails_loudly_with_each_rounds_reasons(
+        tmp_path: Path) -> None:
+    def broken(msg: Message, ctx: Context) -> Message:
+        raise RuntimeError("the site's disk is full")
+
+    cfg = load_config(None, ["run.sites=2", "run.rounds=2"])
+    with pytest.raises(RunFailed) as info:
+        run_server(InProcessGrid(broken, 2), cfg, tmp_path)
+    text = str(info.value)
+    assert "round 1: nothing aggregated (0 of 2 sites replied)" in text
+    assert "disk is full" in text and "round 2" in text
+    records = json.loads((tmp_path / "metrics.json").read_text())
+    assert [r["model_updated"] for r in records[1:]] == [False, False]
+    assert all("disk is full" in r["summary"] for r in records[1:])
+    assert len(info.value.records) == 3
+
+
+@pytest.mark.parametrize(("override", "words"), [
+    ("strategy.name=fedmagic", ["fedmagic", "known:", "fedavg", "flwr:FedAdam"]),
+    ("strategy.name=flwr:FedAdamm", ["FedAdamm", "flwr:FedAdam"]),
+    ("strategy.options.etaa=1", ["strategy.options", "takes no options"]),
+    ("run.sites=500", ["run.sites = 500", "at most 143 sites"]),
+])
+def test_bad_names_and_options_fail_before_any_engine(override: str, words: list[str]) -> None:
+    for command in ("config", "simulate"):
+        args = ["config", "validate"] if command == "config" else ["simulate", "--quiet"]
+        proc = subprocess.run([sys.executable, "-m", "fedagg.cli", *args, "-c", override],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert proc.returncode == 2, proc.stderr[-500:]
+        assert all(w in proc.stderr for w in words), proc.stderr[-500:]
+        assert "Traceback" not in proc.stderr and "ray" not in proc.stderr.lower()
+
+
+def test_flower_strategy_options_are_checked_against_the_signature() -> None:
+    proc = subprocess.run([sys.executable, "-m", "fedagg.cli", "config", "validate", "-c",
+                           "strategy.name=flwr:FedAdam", "-c", "strategy.options.etaa=0.1"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "etaa" in proc.stderr and "eta_l" in proc.stderr
+    ok = subprocess.run([sys.executable, "-m", "fedagg.cli", "config", "validate", "-c",
+                         "strategy.name=flwr:FedAdam", "-c", "strategy.options.eta=0.1"],
+                        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert ok.returncode == 0, ok.stderr[-500:]
+    assert "fraction_evaluate is set to 0.0" not in ok.stderr
