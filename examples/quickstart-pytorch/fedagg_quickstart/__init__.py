@@ -1,0 +1,1 @@
+"""Flower's quickstart-pytorch on fedagg's public API."""
