@@ -11,7 +11,7 @@ import functools
 
 import numpy as np
 import torch
-import torch.nn.functional as F  # noqa: N812
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
