@@ -123,3 +123,46 @@ def test_flower_strategy_options_are_checked_against_the_signature() -> None:
                         capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert ok.returncode == 0, ok.stderr[-500:]
     assert "fraction_evaluate is set to 0.0" not in ok.stderr
+
+
+def _docs_trimmed_mean() -> type:
+    """The worked plugin example of docs/plugins.md, as the page shows it."""
+    import re as _re
+
+    text = (ROOT / "docs" / "plugins.md").read_text()
+    code = next(b for b in _re.findall(r"```python\n(.*?)```", text, _re.S)
+                if "class TrimmedMean" in b)
+    namespace: dict[str, object] = {}
+    exec(compile(code, "docs/plugins.md", "exec"), namespace)  # our own docs
+    return namespace["TrimmedMean"]  # type: ignore[return-value]
+
+
+def test_the_docs_plugin_takes_compressed_updates_and_secure_refuses_it() -> None:
+    import numpy as np
+
+    from fedagg.builtin import builtin_task
+    from fedagg.errors import ConfigError
+    from fedagg.task import get_weights
+    from server.runner import client_config
+    from strategies import Compressed, SecureAggregation
+    from strategies.wire import arrays_to_record, record_to_arrays
+
+    trimmed_cls = _docs_trimmed_mean()
+    inner = trimmed_cls(min_available_nodes=3, fraction_evaluate=0.0)
+    inner.beta = 0.34  # 3 sites: trim one at each end, i.e. the coordinate-wise median
+    strategy = Compressed(inner, up="topk:0.2")
+    cfg = load_config(None, ["run.sites=3", "train.local_epochs=1",
+                             "data.max_train_examples=300"])
+    model = builtin_task(cfg).model()
+    keys, w0 = list(model.state_dict()), get_weights(model)
+    grid = InProcessGrid(make_client_app(), 3, seed=5)
+    msgs = list(strategy.configure_train(1, arrays_to_record(w0, keys), client_config(cfg), grid))
+    replies = list(grid.send_and_receive(msgs))
+    decoded = [strategy.decode_reply(r)[0] for r in replies]
+    out, _ = strategy.aggregate_train(1, replies)
+    assert out is not None and strategy.last_rejected == {}
+    for j, got in enumerate(record_to_arrays(out)[1]):
+        median = np.median(np.stack([w0[j] + d[j] for d in decoded]), axis=0)
+        np.testing.assert_allclose(got, median, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ConfigError, match="overrides the aggregation"):
+        SecureAggregation(trimmed_cls())
