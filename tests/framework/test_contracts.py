@@ -166,3 +166,48 @@ def test_the_docs_plugin_takes_compressed_updates_and_secure_refuses_it() -> Non
         np.testing.assert_allclose(got, median, rtol=1e-6, atol=1e-7)
     with pytest.raises(ConfigError, match="overrides the aggregation"):
         SecureAggregation(trimmed_cls())
+
+
+def test_the_serverapp_raises_when_nothing_was_aggregated(tmp_path: Path) -> None:
+    """So ``flwr run`` reports a failed run (Flower marks a run whose ServerApp raised)."""
+    from server.app import make_app
+
+    def broken(msg: Message, ctx: Context) -> Message:
+        raise RuntimeError("no data at this site")
+
+    cfg = load_config(None, ["run.sites=2", "run.rounds=1", "run.wait_for_sites=0"])
+    app = make_app(cfg, tmp_path)
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
+    with pytest.raises(RunFailed, match="no data at this site"):
+        app(InProcessGrid(broken, 2), context)
+
+
+def test_fedavg_waits_for_min_available_nodes_like_flower() -> None:
+    import time
+
+    from strategies import FedAvg
+
+    class Growing:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def get_node_ids(self) -> list[int]:
+            self.calls += 1
+            return [1, 2, 3] if self.calls > 2 else [1]
+
+    s = FedAvg(min_available_nodes=3, wait_timeout=30)
+    t0 = time.monotonic()
+    assert s.sample(Growing(), 1, 1.0, 2) == [1, 2, 3]  # type: ignore[arg-type]
+    assert time.monotonic() - t0 >= 1.5  # it waited (polls every second)
+    impatient = FedAvg(min_available_nodes=3, wait_timeout=0)
+    assert impatient.sample(Growing(), 1, 1.0, 1) == [1]  # type: ignore[arg-type]
+
+
+def test_identifiers_are_not_averaged_and_old_metric_names_are_aliases() -> None:
+    from strategies.fedavg import aggregate_metrics
+
+    out = aggregate_metrics([{"train-loss": 1.0, "partition-id": 0, "server-round": 3,
+                              "num-examples": 10, "odd": [1, 2]},
+                             {"train_loss": 3.0, "partition-id": 1, "server-round": 3,
+                              "num-examples": 30, "odd": 4.0}], [10, 30])
+    assert dict(out) == {"train_loss": 2.5}  # 'odd' is a list at one site: dropped this round
