@@ -73,7 +73,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from clients.reducer_comm import BucketComm, ReducerStats
+from clients.reducer_comm import BucketComm, CommHook, GradBucket, ReducerStats, allreduce_hook
 from clients.reducer_layout import (
     DEFAULT_FIRST_BUCKET_BYTES,
     Bucket,
@@ -84,7 +84,8 @@ from clients.reducer_layout import (
 from fedagg.collectives import ALGORITHMS, Communicator
 from fedagg.errors import CollectiveError, ConfigError, explain
 
-__all__ = ["COMM_DTYPES", "GradReducer", "ReducerStats"]
+__all__ = ["COMM_DTYPES", "CommHook", "GradBucket", "GradReducer", "ReducerStats",
+           "allreduce_hook"]
 
 _log = logging.getLogger(__name__)
 
@@ -141,6 +142,10 @@ class GradReducer:
     probe_repeats : int
         Timed rounds per candidate of the ``auto`` probe (0: cost model only, so never
         native except on NCCL).
+    comm_hook, hook_state : callable and object, optional
+        A communication hook replacing each bucket's all-reduce: DDP's
+        ``register_comm_hook(state, hook)`` seam (:data:`clients.reducer_comm.CommHook`; it
+        gets a :class:`~clients.reducer_comm.GradBucket` and returns the reduced tensor).
 
     Examples
     --------
@@ -171,6 +176,8 @@ class GradReducer:
         op: str = "sum",
         buffers: Iterable[torch.Tensor] | None = None,
         probe_repeats: int = 3,
+        comm_hook: CommHook | None = None,
+        hook_state: Any = None,
     ) -> None:
         _validate(check, comm_dtype, bucket_bytes, first_bucket_bytes, algorithm, op,
                   probe_repeats)
@@ -184,7 +191,7 @@ class GradReducer:
         self.stats = ReducerStats()
         self._comm = BucketComm(comm, algorithm=algorithm, wire=COMM_DTYPES[comm_dtype], op=op,
                                 check=check, timeout=timeout, probe_repeats=probe_repeats,
-                                stats=self.stats)
+                                stats=self.stats, hook=comm_hook, hook_state=hook_state)
         self._caps = (bucket_bytes, first_bucket_bytes) if overlap else (_ONE_BUCKET,) * 2
         device = self.params[0].device if self.params else torch.device("cpu")
         self._cuda = device.type == "cuda"
@@ -298,7 +305,7 @@ class GradReducer:
         t0 = time.perf_counter()
         for b in self.buckets:
             if not self.overlap:
-                self._comm.reduce(b.flat)
+                self._comm.reduce_bucket(b.index, b.flat)
                 continue
             while not b.done.wait(_POLL_S):
                 self._raise_error()

@@ -17,8 +17,9 @@ import logging
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -32,7 +33,7 @@ from fedagg.collectives import (
 )
 from fedagg.errors import CollectiveTimeout, explain
 
-__all__ = ["BucketComm", "ReducerStats"]
+__all__ = ["BucketComm", "CommHook", "GradBucket", "ReducerStats", "allreduce_hook"]
 
 _log = logging.getLogger(__name__)
 
@@ -93,6 +94,46 @@ class ReducerStats:
     probe_seconds: float = 0.0
 
 
+@dataclass
+class GradBucket:
+    """One bucket of gradients handed to a communication hook (as DDP's ``GradBucket``).
+
+    Attributes
+    ----------
+    index : int
+        The bucket's position in reduction order (the same on every worker).
+    buffer : torch.Tensor
+        The flat gradients of the bucket (this worker's sum over its micro-batches). The hook
+        returns the reduced tensor (or reduces ``buffer`` in place and returns None).
+    world_size, rank : int
+        The site's workers and this one.
+    reduce : callable
+        ``reduce(tensor)``: fedagg's own all-reduce of ``tensor`` in place (the configured
+        algorithm, wire dtype and counters), for hooks that transform before / after it.
+    """
+
+    index: int
+    buffer: torch.Tensor
+    world_size: int
+    rank: int
+    reduce: Callable[[torch.Tensor], None]
+
+
+CommHook = Callable[[Any, GradBucket], "torch.Tensor | None"]
+"""``hook(state, bucket) -> reduced tensor | None``: replaces a bucket's all-reduce, like
+PyTorch DDP's ``register_comm_hook(state, hook)`` (Li et al. 2020, "PyTorch Distributed",
+VLDB; ``torch.distributed.algorithms.ddp_comm_hooks``), except that it returns the tensor
+instead of a Future (fedagg already runs it off the training thread, overlapped with
+backward). The hook must issue the same collectives in the same order on every worker."""
+
+
+def allreduce_hook(state: Any, bucket: GradBucket) -> torch.Tensor:
+    """The default: fedagg's all-reduce of the bucket, unchanged."""
+    del state
+    bucket.reduce(bucket.buffer)
+    return bucket.buffer
+
+
 class BucketComm:
     """All-reduce of bucket buffers for one worker (see the module docstring).
 
@@ -114,6 +155,9 @@ class BucketComm:
         Timed rounds per candidate of :meth:`probe` (0: no probe).
     stats : ReducerStats
         Counters to fill.
+    hook, hook_state : callable and object, optional
+        A communication hook (:data:`CommHook`) and its state, replacing each gradient
+        bucket's all-reduce.
     """
 
     def __init__(
@@ -127,8 +171,12 @@ class BucketComm:
         timeout: float,
         probe_repeats: int,
         stats: ReducerStats,
+        hook: CommHook | None = None,
+        hook_state: Any = None,
     ) -> None:
         self.comm = comm
+        self.hook = hook
+        self.hook_state = hook_state
         self.algorithm = algorithm
         self.wire = wire
         self.op = op
@@ -162,6 +210,20 @@ class BucketComm:
         itemsize = 2 if self.wire is not None else flat.element_size()
         return choose_algorithm(self.comm.world_size, flat.numel() * itemsize,
                                 model=get_default_cost_model())
+
+    def reduce_bucket(self, index: int, flat: torch.Tensor) -> None:
+        """Reduce one gradient bucket in place: through the hook if there is one."""
+        if self.hook is None:
+            self.reduce(flat)
+            return
+        out = self.hook(self.hook_state, GradBucket(index, flat, self.comm.world_size,
+                                                    self.comm.rank, self.reduce))
+        if out is not None and out is not flat:
+            if tuple(out.shape) != tuple(flat.shape):
+                raise ValueError(explain("comm hook result", tuple(out.shape),
+                                         f"must have the bucket's shape {tuple(flat.shape)}",
+                                         "return the reduced bucket buffer"))
+            flat.copy_(out)
 
     def reduce(self, flat: torch.Tensor, mode: str | None = None, record: bool = True) -> None:
         """All-reduce ``flat`` in place (``record=False``: not counted, for the probe)."""
@@ -267,7 +329,7 @@ class BucketComm:
                                 "every step must run backward or finish_step()"))
                     if b.event is not None:
                         b.event.synchronize()
-                    self.reduce(b.flat)
+                    self.reduce_bucket(b.index, b.flat)
                     b.done.set()
             except BaseException as exc:  # handed to the training thread
                 self.error = exc

@@ -20,31 +20,33 @@ Data as one loader per worker shard (``SiteData.train_loader``): every worker ru
 steps as the shortest shard and the gradients are averaged over workers and micro-batches,
 as PyTorch DDP does (Li et al. 2020, VLDB, section 3.2).
 
-This module imports neither Flower nor torch.distributed (the latter only through
-:mod:`fedagg.collectives.backends.torch_dist`), so a worker process starts quickly.
+Persistent workers (:mod:`clients.pool`) pass a :class:`~clients.worker_state.WorkerState`:
+the model, the data, the reducer (and its learned layout) and, with ``site.keep_optimizer``,
+the optimizer state then outlive the round; only the global weights and the round's settings
+are new. Without one, everything is built for this call and the reducer is closed at the end.
+
+This module imports neither Flower nor torch.distributed, so a worker process starts quickly.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
-import pickle
 import signal
-import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from clients.buckets import GradReducer
+from clients.reducer_comm import ReducerStats
+from clients.worker_state import WorkerState
 from fedagg.collectives import Communicator, all_reduce
 from fedagg.errors import DataError, WorkerError, explain
 from fedagg.task import (
@@ -231,6 +233,7 @@ def train_worker(
             model.parameters(), comm, algorithm=job.algorithm,
             bucket_bytes=int(job.bucket_mb * 2**20), overlap=job.overlap,
             comm_dtype=job.comm_dtype, timeout=job.timeout,
+            comm_hook=task.comm_hook, hook_state=task.hook_state,
         )
     m = job.accumulation_steps
     if k_workers == 1 or not in_process:  # dropout & co. reproducible (threads share one RNG)
@@ -305,85 +308,3 @@ def train_worker(
     )
 
 
-# -- process mode ------------------------------------------------------------------------------
-
-JOB_FILE = "job.pkl"
-
-
-def result_file(job_dir: Path, rank: int) -> Path:
-    """Where worker ``rank`` writes its :class:`WorkerResult` (pickle, written atomically)."""
-    return job_dir / f"result-{rank}.pkl"
-
-
-def error_file(job_dir: Path, rank: int) -> Path:
-    """Where worker ``rank`` writes its traceback if it fails."""
-    return job_dir / f"error-{rank}.txt"
-
-
-def progress_file(job_dir: Path, rank: int) -> Path:
-    """Worker ``rank``'s progress line: ``<phase> <step> <counter>``."""
-    return job_dir / f"progress-{rank}.txt"
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-def _watch_parent(parent_pid: int) -> None:
-    """Exit if the launching process went away, so no worker outlives its site."""
-    while True:
-        time.sleep(0.5)
-        if os.getppid() != parent_pid:
-            os._exit(3)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Worker process entry: ``python -m clients.worker JOB_DIR RANK WORLD_SIZE``."""
-    args = sys.argv[1:] if argv is None else argv
-    job_dir, rank, world = Path(args[0]), int(args[1]), int(args[2])
-    logging.basicConfig(level=logging.WARNING, format=f"worker {rank}: %(levelname)s %(message)s")
-    try:
-        job: WorkerJob = pickle.loads((job_dir / JOB_FILE).read_bytes())
-        if job.parent_pid:
-            threading.Thread(target=_watch_parent, args=(job.parent_pid,), daemon=True).start()
-        if job.threads:
-            torch.set_num_threads(job.threads)
-        counter = [0]
-
-        def progress(phase: str, step: int) -> None:
-            counter[0] += 1
-            _atomic_write(progress_file(job_dir, rank), f"{phase} {step} {counter[0]}".encode())
-
-        progress("start", 0)
-        from fedagg.collectives.backends import torch_dist
-
-        backend = "gloo"
-        if job.device.startswith("cuda"):
-            torch.cuda.set_device(rank % max(1, torch.cuda.device_count()))
-            job.device = f"cuda:{torch.cuda.current_device()}"
-            backend = "nccl"
-        comm = torch_dist.init_process_group(rank, world, port=job.port, backend=backend,
-                                             timeout=job.timeout)
-        try:
-            result = train_worker(job, comm, progress=progress)
-        finally:
-            torch_dist.destroy_process_group()
-        _atomic_write(result_file(job_dir, rank), pickle.dumps(result))
-        return 0
-    except BaseException:
-        text = traceback.format_exc()
-        try:
-            _atomic_write(error_file(job_dir, rank), text.encode())
-        finally:
-            print(text, file=sys.stderr, flush=True)
-        return 1
-
-
-if __name__ == "__main__":
-    # Run the copy imported as ``clients.worker`` (not ``__main__``) so that pickled
-    # WorkerJob / WorkerResult objects name their real module.
-    from clients.worker import main as _main
-
-    raise SystemExit(_main())

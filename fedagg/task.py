@@ -310,6 +310,12 @@ class Task:
     evaluate : callable, optional
         ``(model, batches, EvalContext) -> {"eval_loss": ..., "eval_acc": ..., ...}``
         replacing the default evaluation.
+    comm_hook, hook_state : callable and object, optional
+        A communication hook for the site's per-step gradient all-reduce, PyTorch DDP's
+        ``register_comm_hook(state, hook)`` seam: ``hook(state, bucket) -> reduced tensor``,
+        where ``bucket`` (``clients.reducer_comm.GradBucket``) holds the flat gradients of
+        one bucket and ``bucket.reduce(tensor)`` is fedagg's own all-reduce (e.g. compress
+        to fp16, reduce, decompress; Li et al. 2020, VLDB). ``None``: fedagg's all-reduce.
     """
 
     model: Callable[[], nn.Module]
@@ -318,6 +324,8 @@ class Task:
     optimizer: OptimizerFactory | None = None
     train_step: TrainStep | None = None
     evaluate: EvaluateFn | None = None
+    comm_hook: Callable[[Any, Any], Any] | None = None
+    hook_state: Any = None
 
     def __post_init__(self) -> None:
         for name in ("model", "data", "loss"):

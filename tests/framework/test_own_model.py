@@ -213,3 +213,24 @@ def test_task_factory_sees_the_sites_settings() -> None:
     m = reply.content.metric_records["metrics"]
     assert m["num-examples"] == 40 and 0.0 <= m["eval_acc"] <= 1.0  # the held-out split
     assert seen == [1]
+
+
+def scaled_hook(state: Any, bucket: Any) -> torch.Tensor:
+    """A DDP-style comm hook: scale, fedagg's all-reduce, unscale (records what it saw)."""
+    state.append((bucket.index, bucket.world_size, bucket.buffer.numel()))
+    tmp = bucket.buffer * 4.0
+    bucket.reduce(tmp)
+    return tmp / 4.0
+
+
+def test_a_comm_hook_replaces_the_all_reduce_and_gives_the_same_update() -> None:
+    seen: list[tuple[int, int, int]] = []
+    hooked = Task(model=TinyNet, data=site_data, comm_hook=scaled_hook, hook_state=seen)
+    plain = run_site(*_job(TASK, 2))
+    job, site = _job(hooked, 2)
+    with_hook = run_site(job, site)
+    n_params = sum(p.numel() for p in TinyNet().parameters())
+    assert seen and {s[1] for s in seen} == {2}
+    assert sum(s[2] for s in seen) == n_params * 2 * plain.metrics["steps"]  # 2 workers
+    d0, d1 = _delta(plain, job), _delta(with_hook, job)
+    assert np.linalg.norm(d0 - d1) / np.linalg.norm(d0) < 1e-5
