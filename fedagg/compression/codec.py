@@ -21,10 +21,12 @@ nothing else (trailing bytes are an error)::
             s*nnz values (s = 4, 2, 2, 1 by dtype)
             4*ceil(nnz/chunk_size) scales (float32, int8 only)
 
-Indices use the smallest unsigned type that holds the largest delta. The decoder checks every
-count against the bytes actually present *before* allocating, and every index, scale and
-field before building the payload; anything malformed raises
-:class:`~fedagg.errors.CodecError` (never another exception).
+Indices use the smallest unsigned type that holds the largest delta (an empty index list uses
+u8), so a payload has exactly one encoding; the decoder refuses a wider index type than that
+(no fedagg encoder ever wrote one: this is the format's own rule, enforced, not a new
+version). The decoder checks every count against the bytes actually present *before*
+allocating, and every index, scale and field before building the payload; anything malformed
+raises :class:`~fedagg.errors.CodecError` (never another exception).
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def _err(field: str, value: object, rule: str, fix: str = "reject this message")
     return CodecError(explain(field, value, rule, fix))
 
 
-def _index_code(deltas: NDArray[np.int64]) -> int:
+def _index_code(deltas: NDArray[np.integer[Any]]) -> int:
     top = int(deltas.max()) if deltas.size else 0
     for code, limit in ((1, 0xFF), (2, 0xFFFF), (3, 0xFFFFFFFF)):
         if top <= limit:
@@ -270,6 +272,11 @@ def _decode_tensor(
     indices: NDArray[np.int64] | None = None
     if width:
         deltas = np.frombuffer(buf, dtype=_INDEX_DTYPES[icode], count=nnz, offset=pos)
+        narrowest = _index_code(deltas)
+        if icode != narrowest:
+            raise _err(f + ".index_code", icode,
+                       f"must be the narrowest index type that holds the largest delta "
+                       f"(code {narrowest}): every payload has exactly one encoding")
         pos += width * nnz
         indices = _undelta(deltas.astype(np.uint64), numel, f)
     values = np.frombuffer(buf, dtype=_VALUE_DTYPES[dtype], count=nnz, offset=pos)
