@@ -50,13 +50,21 @@ from fedagg.secagg import (
     UnmaskRequest,
 )
 from fedagg.secagg import Message as SecAggMessage
-from fedagg.update import SiteUpload, SupportHistory, UploadPipeline, UploadSpec, decode_down
+from fedagg.update import (
+    SecAggMasker,
+    SiteUpload,
+    SupportHistory,
+    UploadPipeline,
+    UploadSpec,
+    decode_down,
+)
 from strategies.wire import (
     INSTRUCTION_KEY,
     PARAMS_KEY,
     PREVIOUS_KEY,
     REPLY_KEY,
     SECAGG_KEYS,
+    VOTES_KEY,
     Instruction,
     arrays_to_record,
     dict_from_records,
@@ -66,6 +74,7 @@ from strategies.wire import (
     payload_record,
     record_to_arrays,
     unpack,
+    votes_from_record,
 )
 
 __all__ = [
@@ -90,7 +99,7 @@ PREV_KEY = "fedagg.previous-global"
 STATE_KEY = "fedagg.compression-state"
 SECAGG_STATE_CONFIG = "fedagg.secagg-state"
 SECAGG_STATE_ARRAYS = "fedagg.secagg-state-arrays"
-_FEDAGG_RECORDS = (INSTRUCTION_KEY, PREVIOUS_KEY, *SECAGG_KEYS)
+_FEDAGG_RECORDS = (INSTRUCTION_KEY, PREVIOUS_KEY, VOTES_KEY, *SECAGG_KEYS)
 
 CallNext = Callable[[Message, Context], Message]
 StageHook = Callable[[str], None]
@@ -115,6 +124,8 @@ class FedaggRound:
         The global model as the site trains from it (decoded downward).
     previous : list of ndarray or None
         The previous round's model, when the server sent it.
+    votes : tuple of (int, ndarray) or None
+        ``(round, summed vote table)`` the server sent (secure index voting).
     """
 
     instruction: Instruction | None
@@ -125,6 +136,7 @@ class FedaggRound:
     keys: list[str]
     sent: list[np.ndarray]
     previous: list[np.ndarray] | None = None
+    votes: tuple[int, np.ndarray] | None = None
 
     @property
     def secure(self) -> bool:
@@ -182,7 +194,14 @@ def parse_round(msg: Message) -> FedaggRound | None:
     if PREVIOUS_KEY in content.array_records and instr is not None:
         _, prev = record_to_arrays(content.array_records[PREVIOUS_KEY])
         previous = decode_down(prev, instr.down, instr.down_encoded)
-    return FedaggRound(instr, site, params, stage, key, keys, sent, previous)
+    votes = None
+    if instr is not None and instr.votes_round >= 0:
+        if VOTES_KEY not in content.array_records:
+            raise ProtocolError(explain(f"{INSTRUCTION_KEY}.votes-round", instr.votes_round,
+                                        f"names a vote sum but the message has no {VOTES_KEY!r}",
+                                        "run the same fedagg version on the server and sites"))
+        votes = (instr.votes_round, votes_from_record(content.array_records[VOTES_KEY]))
+    return FedaggRound(instr, site, params, stage, key, keys, sent, previous, votes)
 
 
 def clean_message(msg: Message, rnd: FedaggRound) -> Message:
@@ -303,7 +322,8 @@ def encode_reply(msg: Message, ctx: Context, rnd: FedaggRound, trained: list[np.
     server_round = instr.server_round if instr is not None else 0
     previous = _previous(ctx, rnd, ns) if spec.needs_previous else None
     history = SupportHistory.at_site(spec, run_seed, server_round, rnd.sent,
-                                     instr.previous_round if instr is not None else -1, previous)
+                                     instr.previous_round if instr is not None else -1, previous,
+                                     votes=rnd.votes if spec.votes else None)
     if rnd.secure and on_stage is not None:
         on_stage("upload")
     mask = None
@@ -311,11 +331,9 @@ def encode_reply(msg: Message, ctx: Context, rnd: FedaggRound, trained: list[np.
     if rnd.secure:
         assert rnd.site is not None and rnd.params is not None
         state = _load(ctx, rnd.site, rnd.params)
-        request = unpack(msg.content, RoundRequest)
-        st = state
-
-        def mask(values: np.ndarray, w: float) -> Any:
-            return st.handle_round(request, values, w, rng=np.random.default_rng())
+        # stochastic rounding from an unseeded generator, as it must be in deployment
+        mask = SecAggMasker(state, unpack(msg.content, RoundRequest),
+                            rng=np.random.default_rng())
 
     rng = _site_rng(ctx, instr) if instr is not None else np.random.default_rng()
     residual = _residual(ctx, spec, ns)

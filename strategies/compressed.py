@@ -18,6 +18,13 @@ instead of the dense model. This wrapper
 
 The server keeps full-precision master weights; downward compression only changes what is
 sent, and the sites' deltas are taken against the model as sent.
+
+``sketch`` (FetchSGD, Rothchild et al. 2020) in plaintext: each reply is the count sketch of
+the site's delta (one ``rows x cols`` table; the server sees each site's sketch, see the leak
+table in docs/compression.md); the weighted mean table goes through FetchSGD's server state
+(:class:`fedagg.update.RoundDecoder`) and ``inner`` gets the one resulting delta, so ``inner``
+must aggregate linearly, as under secure aggregation. ``vote`` is refused in plaintext (a
+site's vote table reveals its top-k indices; :class:`fedagg.update.UploadSpec`).
 """
 
 from __future__ import annotations
@@ -32,10 +39,13 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedagg.errors import CodecError, UpdateRejected, explain
+from fedagg.compression import codec
+from fedagg.errors import CodecError, ConfigError, UpdateRejected, explain
 from fedagg.update import (
+    RoundDecoder,
     SupportHistory,
     UploadSpec,
+    check_delta,
     decode_delta,
     decode_down,
     encode_down,
@@ -50,7 +60,7 @@ from strategies.wire import (
     payload_bytes,
     record_to_arrays,
 )
-from strategies.wrapper import StrategyWrapper, inner_aggregate, model_record_key
+from strategies.wrapper import StrategyWrapper, inner_aggregate, is_linear, model_record_key
 
 __all__ = ["Compressed"]
 
@@ -97,6 +107,16 @@ class Compressed(StrategyWrapper):
                                 else getattr(self.inner, "max_update_norm", None))
         self.state_namespace = state_namespace
         self.history = SupportHistory(self.spec, self.seed)
+        self.decoder = RoundDecoder(self.history)  # FetchSGD's server state (sketch)
+        if self.spec.sketch:
+            ok, why = is_linear(self.inner)
+            if not ok:
+                raise ConfigError(explain(
+                    "Compressed(inner)", type(self.inner).__name__,
+                    f"with compression.up = {self.spec.up!r} the server recovers one update "
+                    f"from the sum of the sites' sketches (FetchSGD); {why}",
+                    "wrap a linear strategy (FedAvg, FedAvgM, FedProx, FedAdam, ...) or use "
+                    "a sparsifier that sends per-site updates"))
         self._current: tuple[list[str], list[np.ndarray]] | None = None
         self._encoded: list[int] = []
 
@@ -193,10 +213,62 @@ class Compressed(StrategyWrapper):
             data = payload_bytes(arecs[REPLY_KEY])
         except CodecError as exc:
             raise UpdateRejected(f"{site}: undecodable payload: {exc}") from None
+        if self.spec.sketch:
+            return [self._sketch_table(data, site)], float(raw), metrics
         delta = decode_delta(data, shapes=[tuple(s.shape) for s in sent],
                              support=self.history.support, site=site,
                              max_norm=self.max_update_norm)
         return list(delta), float(raw), metrics
+
+    def _sketch_table(self, data: bytes, site: str) -> np.ndarray:
+        """One site's count sketch (``sketch`` specs), checked: shape and finite values."""
+        assert self.history.sent is not None
+        dim = sum(int(s.size) for s in self.history.sent)
+        shape = self.decoder.sketch_shape(dim)
+        try:
+            payload = codec.decode(data, max_elements=max(int(np.prod(shape)), 1))
+        except CodecError as exc:
+            raise UpdateRejected(f"{site}: undecodable payload: {exc}") from None
+        if [tuple(s) for s in payload.shapes] != [shape]:
+            raise UpdateRejected(explain(f"{site}.payload.shapes", payload.shapes[:4],
+                                         f"must be the run's one sketch table {shape}",
+                                         "site and server must use the same spec"))
+        table = payload.to_dense()
+        check_delta(table, site=site, max_norm=None)
+        return table[0]
+
+    def _aggregate_sketches(self, server_round: int,
+                            good: list[tuple[list[np.ndarray], float, dict[str, Any], Message]]
+                            ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """FetchSGD: the weighted mean table -> the server's step -> one delta for ``inner``."""
+        assert self._current is not None
+        keys, current = self._current
+        if not good:
+            return None, None
+        total = float(sum(w for _, w, _, _ in good))
+        mean = sum(np.asarray(t[0], np.float64) * (w / total) for t, w, _, _ in good)
+        dim = sum(int(np.asarray(c).size) for c in current)
+        try:
+            flat = self.decoder.sketch_delta(np.asarray(mean), dim)
+            delta, pos = [], 0
+            for c in current:
+                n = int(np.asarray(c).size)
+                delta.append(flat[pos:pos + n].reshape(np.shape(c)).astype(np.float32))
+                pos += n
+            check_delta(delta, site="FetchSGD step", max_norm=self.max_update_norm)
+        except (ConfigError, UpdateRejected) as exc:
+            self.decoder.reject()
+            self.last_rejected["round"] = str(exc)
+            _log.warning("round %d: sketch aggregate refused: %s", server_round, exc)
+            return None, None
+        new, metrics = inner_aggregate(self.inner, server_round,
+                                       [(delta, total, {}, good[0][3])], keys, current,
+                                       sites=len(good))
+        if new is None:
+            self.decoder.reject()
+        else:
+            self.decoder.accept()
+        return new, metrics
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -214,15 +286,20 @@ class Compressed(StrategyWrapper):
                 _log.warning("round %d: rejected update: %s", server_round, exc)
                 continue
             good.append((delta, weight, metrics, reply))
+        if self.spec.sketch:
+            return self._aggregate_sketches(server_round, good)
         keys, current = self._current
         return inner_aggregate(self.inner, server_round, good, keys, current)
 
     def state_dict(self) -> dict[str, Any]:
-        """The inner strategy's state and the support history."""
-        return {**super().state_dict(), "history": self.history.state_dict()}
+        """The inner strategy's state, the support history and FetchSGD's tables."""
+        return {**super().state_dict(), "history": self.history.state_dict(),
+                "sketch": self.decoder.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
-        super().load_state_dict({k: v for k, v in state.items() if k != "history"})
+        super().load_state_dict({k: v for k, v in state.items() if k not in ("history", "sketch")})
         if "history" in state:
             self.history.load_state_dict(state["history"])
+        if "sketch" in state:
+            self.decoder.load_state_dict(state["sketch"])

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -52,7 +52,7 @@ from fedagg.secagg import (
     UnmaskResponse,
 )
 from fedagg.secagg import Message as SecAggMessage
-from fedagg.update import SupportHistory, UploadSpec, densify
+from fedagg.update import MaskedLayout, RoundDecoder, SupportHistory, UploadSpec, masked_layout
 from strategies.base import exchange
 from strategies.fedavg import FedAvg
 from strategies.secure_params import (
@@ -65,6 +65,7 @@ from strategies.wire import (
     INSTRUCTION_KEY,
     PARAMS_KEY,
     PREVIOUS_KEY,
+    VOTES_KEY,
     Instruction,
     SiteIndex,
     arrays_to_record,
@@ -73,6 +74,7 @@ from strategies.wire import (
     params_to_record,
     record_to_arrays,
     unpack,
+    votes_record,
 )
 from strategies.wrapper import StrategyWrapper, inner_aggregate, is_linear
 
@@ -102,7 +104,13 @@ class SecureAggregation(StrategyWrapper):
         ``block``, ``topk-aggregate``) each site sends only its masked values on the round's
         support (``k`` values + weight, no index bytes) and keeps the rest in its
         error-feedback residual; own-index sparsifiers and quantizers are refused (see
-        :class:`fedagg.update.UploadSpec`).
+        :class:`fedagg.update.UploadSpec`). The secure sparse modes of issue 21 are named in
+        ``up`` itself: ``sketch`` (FetchSGD: the masked sum of the sites' exact integer count
+        sketches goes through the server's momentum / error tables, the top-k of the
+        accumulated sketch is applied), ``vote`` (values on the support voted in the
+        previous round, this round's vote packed into the same masked vector; the vote sum
+        goes down with the next round) and ``shared-dgc`` (a public support with DGC error
+        feedback at the sites); see docs/compression.md.
     run_seed : int
         ``run.seed``: the public seed of the supports.
     max_update_norm : float, optional
@@ -144,6 +152,7 @@ class SecureAggregation(StrategyWrapper):
                                 else getattr(self.inner, "max_update_norm", None))
         self.state_namespace = state_namespace
         self.history = SupportHistory(self.spec, self.run_seed)
+        self.decoder = RoundDecoder(self.history)  # FetchSGD state, vote sums
         self.server: ServerState | None = None
         self.params: SecAggParams | None = None
         self.sites = SiteIndex()
@@ -298,9 +307,13 @@ class SecureAggregation(StrategyWrapper):
         return self.server
 
     def _open_round(self, grid: Grid, server: ServerState, nodes: Sequence[int],
-                    site_of: dict[int, int], dim: int, config: ConfigRecord, group: str
-                    ) -> dict[int, Any]:
-        """Re-key when needed and open the round; returns ``{site: RoundRequest}``."""
+                    site_of: dict[int, int], dim: int | Callable[[int], int],
+                    config: ConfigRecord, group: str) -> dict[int, Any]:
+        """Re-key when needed and open the round; returns ``{site: RoundRequest}``.
+
+        ``dim`` is the masked length, or a function of the number of participants (the vote
+        counters' packing depends on it).
+        """
         sampled = [site_of[n] for n in nodes]
         keyed = False
         if server.epoch == 0 or server.needs_rekey(sampled):
@@ -312,7 +325,8 @@ class SecureAggregation(StrategyWrapper):
             part = [i for i in sampled if i in set(server.usable_sites)]
             self._counter += 1
             try:
-                return server.begin_round(self._counter, part, dim)
+                return server.begin_round(self._counter, part,
+                                          dim if isinstance(dim, int) else dim(len(part)))
             except AbortRound:
                 # Some participant has < t neighbours among the sampled sites (sparse graph
                 # over a larger roster): key a new epoch over exactly the sampled sites.
@@ -353,12 +367,12 @@ class SecureAggregation(StrategyWrapper):
         self.round_log.tick("configure", t_start)
         try:
             support = self._support(dim)
-            masked_dim = dim if support is None else int(support.size)
-            requests = self._open_round(grid, server, nodes, site_of, masked_dim, round_config,
-                                        group)
-        except (AbortRound, ConfigError) as exc:
+            requests = self._open_round(grid, server, nodes, site_of,
+                                        lambda n: self._layout(dim, n).dim, round_config, group)
+        except (AbortRound, ConfigError, ProtocolError) as exc:
             self._abort(server_round, str(exc))
             return []
+        participants = len(next(iter(requests.values())).participants) if requests else 0
         node_of = {i: n for n, i in site_of.items()}
         ttl = self.params.upload_timeout_s if self.params is not None else timeout
         out = []
@@ -373,25 +387,36 @@ class SecureAggregation(StrategyWrapper):
             out.append(self._message(node, i, "upload", req, cfg, group, ttl, extra))
         self._round = {"round": server_round, "keys": keys, "current": current, "dim": dim,
                        "support": support, "site_of": site_of, "node_of": node_of,
-                       "config": round_config, "group": group, "messages": out}
+                       "config": round_config, "group": group, "messages": out,
+                       "layout": self._layout(dim, participants), "participants": participants}
         return out
+
+    def _layout(self, dim: int, participants: int) -> MaskedLayout:
+        """The masked vector of the round (:func:`fedagg.update.masked_layout`)."""
+        assert self.params is not None
+        return masked_layout(self.history, dim, num_sites=participants,
+                             ring_bits=self.params.encoding_for(participants)[1])
 
     def _upload_records(self, server_round: int, node: int, keys: list[str]) -> dict[str, Any]:
         """The instruction (and the previous model) of a sparse round."""
         if self.spec.dense:
             return {}
+        votes = self.history.votes if self.spec.votes else None
         out: dict[str, Any] = {INSTRUCTION_KEY: Instruction(
             up=self.spec.up, run_seed=self.run_seed, server_round=server_round,
             previous_round=self.history.previous_round if self.spec.needs_previous else -1,
-            namespace=self.state_namespace, support=self.spec.support).to_record()}
+            namespace=self.state_namespace, support=self.spec.support,
+            votes_round=-1 if votes is None else votes[0]).to_record()}
+        if votes is not None:  # public: the vote sum the server unmasked (counted downward)
+            out[VOTES_KEY] = votes_record(votes[1])
         if (self.spec.needs_previous and self.history.previous is not None
                 and node not in self.history.fresh):
             out[PREVIOUS_KEY] = arrays_to_record(self.history.previous, keys)
         return out
 
     def _support(self, dim: int) -> np.ndarray | None:
-        """The round's public support (None: dense), as the sites compute it."""
-        if self.spec.dense:
+        """The round's public support (None: dense or sketch), as the sites compute it."""
+        if self.spec.dense or self.spec.sketch:
             self.last_support = None
             return None
         support = self.history.support()
@@ -445,13 +470,20 @@ class SecureAggregation(StrategyWrapper):
             self.round_log.tick("aggregate", t0)
             self._abort(server_round, f"unmask failed: {exc}")
             return None, None
-        mean = densify(result.mean, r["support"], r["dim"])
-        problem = check_aggregate(mean, max_norm=self.max_update_norm,
-                                  clip=self.params.clip if self.params is not None else None)
+        clip = self.params.clip if self.params is not None else None
+        try:
+            decoded = self.decoder.decode(r["layout"], result.mean, result.total, dim=r["dim"],
+                                          num_sites=r["participants"], ring_bits=result.ring_bits)
+            problem = (check_aggregate(decoded.values, max_norm=None, clip=clip)
+                       or check_aggregate(decoded.delta, max_norm=self.max_update_norm, clip=None))
+        except (ConfigError, ProtocolError) as exc:
+            problem = f"undecodable aggregate: {exc}"
         if problem:
+            self.decoder.reject()
             self.round_log.tick("aggregate", t0)
             self._abort(server_round, problem)
             return None, None
+        mean = decoded.delta
         current = r["current"]
         delta = unflatten_like(mean, current)
         self.last_result = result
@@ -473,7 +505,9 @@ class SecureAggregation(StrategyWrapper):
                                  "exchanges": self.round_log.exchanges,
                                  "bytes_up": dict(self.round_log.up)})
         if new is None:
+            self.decoder.reject()
             return None, None
+        self.decoder.accept()
         out = MetricRecord({k: v for k, v in metrics.items()})
         for k, v in (inner_metrics or {}).items():
             if k not in out:
@@ -481,7 +515,16 @@ class SecureAggregation(StrategyWrapper):
         return new, out
 
     def state_dict(self) -> dict[str, Any]:
-        """The inner strategy's state (the protocol state is not checkpointed: a restart
-        re-keys)."""
-        return super().state_dict()
+        """The inner strategy's state, the public support history and FetchSGD's tables (the
+        protocol state is not checkpointed: a restart re-keys)."""
+        return {**super().state_dict(), "history": self.history.state_dict(),
+                "sketch": self.decoder.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        super().load_state_dict({k: v for k, v in state.items() if k not in ("history", "sketch")})
+        if "history" in state:
+            self.history.load_state_dict(state["history"])
+        if "sketch" in state:
+            self.decoder.load_state_dict(state["sketch"])
 

@@ -389,6 +389,73 @@ class ClientState:
         rng : numpy.random.Generator
             Randomness of the stochastic rounding.
         """
+        gens, nbrs, pks = self._check_round(request)
+        values = np.asarray(update, dtype=np.float64).reshape(-1)
+        if values.size != request.dim:
+            raise ProtocolError(explain("update size", values.size, f"must be {request.dim}", "-"))
+        frac_bits, _ = self.params.encoding_for(len(request.participants))
+        weight_q = fixed_point.quantize_weight(float(weight), self.params.weight_scale, frac_bits)
+        vector = fixed_point.encode(
+            values, weight_q, frac_bits=frac_bits, clip=self.params.clip, rng=rng
+        )
+        return self._mask_and_upload(request, vector, gens, nbrs, pks)
+
+    def round_encoding(self, request: RoundRequest, weight: float) -> tuple[int, int, int]:
+        """``(frac_bits, ring_bits, weight_q)`` of ``request`` for a site of ``weight``.
+
+        What :meth:`handle_round` uses to encode, for callers that encode themselves and
+        upload with :meth:`handle_round_encoded` (public: it follows from the parameters and
+        the number of participants).
+
+        Raises
+        ------
+        ConfigError
+            ``weight`` is negative, not finite or above ``params.weight_scale``.
+        """
+        frac_bits, ring_bits = self.params.encoding_for(len(tuple(request.participants)))
+        weight_q = fixed_point.quantize_weight(float(weight), self.params.weight_scale, frac_bits)
+        return frac_bits, ring_bits, weight_q
+
+    def handle_round_encoded(
+        self, request: RoundRequest, vector: NDArray[np.uint32]
+    ) -> MaskedUpload:
+        """Round exchange 1 for an input the caller has already encoded into the ring.
+
+        The same checks, masks and shares as :meth:`handle_round`, over ``vector`` as given:
+        ``request.dim + 1`` ``uint32`` ring elements whose last one is the quantised weight
+        ``w_q`` (:meth:`round_encoding`), which the server decodes as the round's weight.
+        Only the low ``ring_bits`` bits of each element travel. The caller is responsible for
+        the headroom of the sum (e.g. :func:`fedagg.compression.ring.encode_table` clips its
+        counters to ``params.clip``; packed vote counters sum within their fields); the server
+        learns the modular sum (:attr:`RoundResult.total`) as for any input.
+
+        Used for inputs that are not a float vector to be fixed-point encoded: integer count
+        sketch tables (FetchSGD's exact path) and packed vote counters riding with the values
+        (secure index voting), see docs/compression.md.
+
+        Raises
+        ------
+        ProtocolError
+            The request fails the checks of :meth:`handle_round`, or ``vector`` is not
+            ``request.dim + 1`` ``uint32`` elements.
+        """
+        gens, nbrs, pks = self._check_round(request)
+        vec = np.asarray(vector)
+        if vec.dtype != np.uint32 or vec.shape != (request.dim + 1,):
+            raise ProtocolError(
+                explain(
+                    "encoded update",
+                    (str(vec.dtype), vec.shape),
+                    f"must be request.dim + 1 = {request.dim + 1} uint32 ring elements",
+                    "encode [values..., w_q] (round_encoding gives w_q)",
+                )
+            )
+        return self._mask_and_upload(request, vec.copy(), gens, nbrs, pks)
+
+    def _check_round(
+        self, request: RoundRequest
+    ) -> tuple[dict[int, int], tuple[int, ...], list[bytes]]:
+        """Every precondition of a round, before any secret is touched."""
         stages = (ClientStage.READY, ClientStage.UPLOADED, ClientStage.UNMASKED)
         self._require(stages, request.epoch, "round")
         if request.round <= self.round:
@@ -439,14 +506,18 @@ class ClientState:
             check_public_key(pk, "neighbour_s_public")
             for pk in _split_keys(request.neighbour_s_public, len(nbrs), "neighbour_s_public")
         ]
-        values = np.asarray(update, dtype=np.float64).reshape(-1)
-        if values.size != request.dim:
-            raise ProtocolError(explain("update size", values.size, f"must be {request.dim}", "-"))
-        frac_bits, ring_bits = self.params.encoding_for(len(participants))
-        weight_q = fixed_point.quantize_weight(float(weight), self.params.weight_scale, frac_bits)
-        vector = fixed_point.encode(
-            values, weight_q, frac_bits=frac_bits, clip=self.params.clip, rng=rng
-        )
+        return gens, nbrs, pks
+
+    def _mask_and_upload(
+        self,
+        request: RoundRequest,
+        vector: NDArray[np.uint32],
+        gens: dict[int, int],
+        nbrs: tuple[int, ...],
+        pks: list[bytes],
+    ) -> MaskedUpload:
+        """Double-mask ``vector`` (in place), share the self-mask seed, rotate the mask key."""
+        _, ring_bits = self.params.encoding_for(len(tuple(request.participants)))
         s = self._secret(self._s)
         seed = bytes(self._random_bytes(shamir.SECRET_BYTES))
         signed = [
@@ -488,7 +559,7 @@ class ClientState:
             self.site,
             self.round,
             len(nbrs),
-            values.size,
+            vector.size - 1,
         )
         return MaskedUpload(
             site=self.site,

@@ -95,6 +95,11 @@ class RoundResult:
         Worst-case absolute quantisation error of ``mean`` (for clipped inputs).
     ring_bits : int
         Width ``b`` of the ring ``Z_2^b`` (bits per masked value on the wire).
+    total : numpy.ndarray or None
+        The unmasked sum itself, ``dim + 1`` ``uint32`` elements mod ``2^b`` (only the low
+        ``ring_bits`` bits count; the last element is the summed quantised weight). ``mean``
+        is its fixed-point decoding; inputs that are not fixed-point values (packed vote
+        counters uploaded with :meth:`ClientState.handle_round_encoded`) are read from here.
     """
 
     epoch: int
@@ -106,6 +111,7 @@ class RoundResult:
     frac_bits: int
     error_bound: float
     ring_bits: int = fixed_point.MAX_RING_BITS
+    total: NDArray[np.uint32] | None = None
 
     def __repr__(self) -> str:
         return (
@@ -672,6 +678,7 @@ class ServerState:
             frac_bits=self._frac_bits,
             error_bound=bound,
             ring_bits=self._ring_bits,
+            total=total,
         )
 
 

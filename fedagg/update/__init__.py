@@ -10,7 +10,12 @@ Flower-free core shared by both sides of a round:
   support -> quantization -> masking, producing one :class:`SiteUpload`;
 * :func:`decode_delta` / :func:`check_delta` / :func:`densify` — at the server: one update
   back to a checked dense delta;
-* :func:`encode_down` / :func:`decode_down` — the global model's optional fp16 / bf16 codec.
+* :func:`encode_down` / :func:`decode_down` — the global model's optional fp16 / bf16 codec;
+* :class:`MaskedLayout` / :func:`masked_layout` / :class:`SecAggMasker` — what a secure round
+  masks (``[values | packed votes | weight]``, or the exact integer sketch), and the masking
+  step that also takes pre-encoded ring vectors;
+* :class:`RoundDecoder` — at the server: the round's aggregate back to the delta to apply
+  (FetchSGD's step for ``sketch``, the vote sum for ``vote``).
 
 The Flower side serialises these objects once, in the public wire adapter
 ``strategies.wire`` used by both the strategies and the client mod.
@@ -19,7 +24,15 @@ The Flower side serialises these objects once, in the public wire adapter
 from fedagg.update.decode import check_delta, decode_delta, densify
 from fedagg.update.downlink import decode_down, encode_down
 from fedagg.update.history import SupportHistory, flat_difference
+from fedagg.update.masked import (
+    MaskedLayout,
+    RingEncoding,
+    RingMasker,
+    SecAggMasker,
+    masked_layout,
+)
 from fedagg.update.pipeline import SiteUpload, UploadPipeline, delta_of
+from fedagg.update.server import Decoded, RoundDecoder
 from fedagg.update.spec import (
     DOWN_CODECS,
     REVEALING_SUPPORTS,
@@ -33,6 +46,12 @@ __all__ = [
     "DOWN_CODECS",
     "REVEALING_SUPPORTS",
     "SUPPORTS",
+    "Decoded",
+    "MaskedLayout",
+    "RingEncoding",
+    "RingMasker",
+    "RoundDecoder",
+    "SecAggMasker",
     "SiteUpload",
     "SupportHistory",
     "UploadPipeline",
@@ -45,5 +64,6 @@ __all__ = [
     "effective_spec",
     "encode_down",
     "flat_difference",
+    "masked_layout",
     "public_seed",
 ]

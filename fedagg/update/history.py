@@ -7,6 +7,11 @@ round ``t`` minus the one sent in the last round before it). The server keeps on
 received and the previous one (kept in its state, or sent by the server when the site missed
 that round). Both then call :meth:`SupportHistory.compressor` / :meth:`SupportHistory.support`
 and get bit-identical results.
+
+Secure index voting (``vote``) adds one more piece of public history: the summed vote table
+of the last round that completed (:attr:`SupportHistory.votes`, what the server unmasked;
+it sends it down with the next round's instruction). The voted support of round ``t`` is a
+function of that sum, so both sides again derive the same support.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from fedagg.compression import Compressor, find_shared_support
+from fedagg.compression import Compressor, find_shared_support, find_vote_support
+from fedagg.errors import ProtocolError, explain
 from fedagg.update.spec import UploadSpec
 
 __all__ = ["SupportHistory", "flat_difference"]
@@ -46,6 +52,9 @@ class SupportHistory:
         The current round and the last round before it that sent a model (``-1``: none).
     sent, previous : list of ndarray or None
         The global model as the sites decode it, in those rounds.
+    votes : tuple of (int, ndarray) or None
+        ``(round the votes were cast in, summed vote table)`` of the last completed round
+        (``vote`` specs only; ``None``: no vote yet, the support is the seeded random one).
     """
 
     def __init__(self, spec: UploadSpec, run_seed: int) -> None:
@@ -57,19 +66,46 @@ class SupportHistory:
         self.previous: list[NDArray[np.float32]] | None = None
         self._holders: set[int] = set()
         self.fresh: set[int] = set()
+        self.votes: tuple[int, NDArray[np.int64]] | None = None
         self._support: tuple[int, NDArray[np.int64] | None] | None = None
 
     @classmethod
     def at_site(cls, spec: UploadSpec, run_seed: int, server_round: int,
                 sent: Sequence[NDArray[Any]], previous_round: int = -1,
-                previous: Sequence[NDArray[Any]] | None = None) -> SupportHistory:
-        """The history as a site sees it in ``server_round``."""
+                previous: Sequence[NDArray[Any]] | None = None,
+                votes: tuple[int, NDArray[Any]] | None = None) -> SupportHistory:
+        """The history as a site sees it in ``server_round`` (``votes``: as the server sent
+        them, see :attr:`votes`)."""
         h = cls(spec, run_seed)
         if previous is not None and previous_round >= 0:
             h.previous_round = int(previous_round)
             h.previous = [np.asarray(p, np.float32) for p in previous]
         h.round, h.sent = int(server_round), [np.asarray(s, np.float32) for s in sent]
+        if votes is not None:
+            h.record_votes(*votes)
         return h
+
+    def record_votes(self, cast_round: int, vote_sum: NDArray[Any]) -> None:
+        """The summed vote table cast in ``cast_round`` (server: unmasked; site: as sent).
+
+        Raises
+        ------
+        ProtocolError
+            Not a 2-D table of non-negative integer counts, or cast in a later round than
+            the current one.
+        """
+        table = np.asarray(vote_sum)
+        if (table.ndim != 2 or not np.issubdtype(table.dtype, np.integer)
+                or (table.size and int(table.min()) < 0)):
+            raise ProtocolError(explain("vote sum", f"{table.dtype}{table.shape}",
+                                        "must be a 2-D table of counts >= 0",
+                                        "send the unmasked vote table of the previous round"))
+        if self.sent is not None and int(cast_round) > self.round:
+            raise ProtocolError(explain("vote sum round", int(cast_round),
+                                        f"must not be after the current round {self.round}",
+                                        "send the votes of a completed round"))
+        self.votes = (int(cast_round), table.astype(np.int64))
+        self._support = None
 
     def advance(self, server_round: int, sent: Sequence[NDArray[Any]]) -> None:
         """Server: ``sent`` is the model (as decoded) of ``server_round``.
@@ -95,9 +131,18 @@ class SupportHistory:
         return flat_difference(self.sent, self.previous)
 
     def compressor(self) -> Compressor:
-        """A new compressor of the current round (stateful: one per site and round)."""
-        return self.spec.compressor(run_seed=self.run_seed, server_round=self.round,
+        """A new compressor of the current round (stateful: one per site and round).
+
+        A ``vote`` stage gets :attr:`votes` (:meth:`VoteSupport.use_votes`), so its support is
+        the voted one; without votes it is the round's seeded random support.
+        """
+        comp = self.spec.compressor(run_seed=self.run_seed, server_round=self.round,
                                     previous_aggregate=self.previous_aggregate)
+        if self.votes is not None:
+            stage = find_vote_support(comp)
+            if stage is not None:
+                stage.use_votes(self.votes[1], round=self.votes[0])
+        return comp
 
     def support(self) -> NDArray[np.int64] | None:
         """The public flat support of the current round (``None``: dense or own indices).
@@ -117,7 +162,8 @@ class SupportHistory:
         return {"round": self.round, "previous_round": self.previous_round,
                 "sent": None if self.sent is None else [s.copy() for s in self.sent],
                 "previous": None if self.previous is None else [p.copy() for p in self.previous],
-                "holders": sorted(self._holders), "fresh": sorted(self.fresh)}
+                "holders": sorted(self._holders), "fresh": sorted(self.fresh),
+                "votes": None if self.votes is None else (self.votes[0], self.votes[1].copy())}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
@@ -127,4 +173,6 @@ class SupportHistory:
         self.previous = None if state["previous"] is None else [np.asarray(p, np.float32)
                                                                 for p in state["previous"]]
         self._holders, self.fresh = set(state["holders"]), set(state["fresh"])
+        votes = state.get("votes")
+        self.votes = None if votes is None else (int(votes[0]), np.asarray(votes[1], np.int64))
         self._support = None

@@ -9,6 +9,13 @@ One pass, in this order (DESIGN.md section 3, step 4)::
     -> quantize                        fp16 / bf16 / int8 (plaintext uploads only)
     -> mask                            SecAgg+ (Bell et al. 2020), fedagg.secagg
 
+The secure sparse modes of issue 21 fit the same pass: ``sketch`` (FetchSGD, Rothchild et
+al. 2020) replaces error feedback + selection by the exact integer count sketch of the
+update; ``vote`` selects the voted support and appends this round's vote to the masked
+vector; ``shared-dgc`` is error feedback with DGC's momentum correction (Lin et al. 2018).
+Both ``sketch`` and ``vote`` hand the masker an already-encoded ring vector
+(:class:`fedagg.update.masked.RingMasker`; layouts in :mod:`fedagg.update.masked`).
+
 The result is one :class:`SiteUpload`, the single carrier of the update inside the site
 process: the compressed :class:`~fedagg.compression.Payload` (plaintext), or the flat vector
 handed to masking (secure). It is serialised once, at the Flower edge (``strategies.wire``).
@@ -28,9 +35,20 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from fedagg.compression import ErrorFeedback, Payload
-from fedagg.errors import ProtocolError, explain
+from fedagg.compression import (
+    DGCFeedback,
+    ErrorFeedback,
+    Payload,
+    find_sketch,
+    find_vote_support,
+)
+from fedagg.errors import ConfigError, ProtocolError, explain
 from fedagg.update.history import SupportHistory
+from fedagg.update.masked import (
+    RingMasker,
+    encode_sketch,
+    encode_values_and_votes,
+)
 from fedagg.update.spec import UploadSpec
 
 __all__ = ["SiteUpload", "UploadPipeline", "delta_of"]
@@ -54,6 +72,9 @@ class SiteUpload:
     values : ndarray of float64 or None
         The flat vector to mask (secure uploads): the dense delta, or the values on the
         round's public support.
+    vector : ndarray of uint32 or None
+        The pre-encoded ring vector handed to the masker (secure ``sketch``: ``[S_int(q),
+        w_q]``; secure ``vote``: ``[values | packed votes | w_q]``).
     masked : object or None
         The masked upload (secure), as the masker returned it.
     residual : dict of str to ndarray
@@ -65,6 +86,7 @@ class SiteUpload:
     weight: float
     payload: Payload | None = None
     values: NDArray[np.float64] | None = None
+    vector: NDArray[np.uint32] | None = None
     masked: Any = None
     residual: Residual = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
@@ -186,12 +208,18 @@ class UploadPipeline:
         else:
             delta = delta_of(trained, glob)
             comp = self.history.compressor()
-            if isinstance(comp, ErrorFeedback) and residual:
-                res = [np.asarray(residual[k]) for k in sorted(residual, key=_index)]
-                if [r.shape for r in res] == [d.shape for d in delta]:
-                    comp.load_state_dict({f"residual.{i}": r for i, r in enumerate(res)})
+            _load_state(comp, residual, delta)
+            if self.spec.secure and self.spec.sketch:
+                ring = _ring(mask, "sketch")
+                stage = find_sketch(comp)
+                assert stage is not None  # the spec names a sketch stage
+                out.vector, clipped = encode_sketch(delta, stage, ring.encoding(out.weight),
+                                                    ring.rng)
+                out.metrics["sketch-clipped-counters"] = float(clipped)
+                out.masked = ring.mask_encoded(out.vector)
+                return out
             payload = comp.compress(delta, rng=rng)
-            if isinstance(comp, ErrorFeedback):
+            if isinstance(comp, ErrorFeedback | DGCFeedback):
                 out.residual = comp.state_dict()
             if self.spec.secure:
                 if not payload.tensors or not all(t.implicit_indices for t in payload.tensors):
@@ -201,11 +229,57 @@ class UploadPipeline:
                         "set compression.support = random, block or topk-aggregate"))
                 out.values = np.concatenate([t.float_values().astype(np.float64)
                                              for t in payload.tensors])
+                vote = find_vote_support(comp) if self.spec.votes else None
+                if vote is not None:
+                    ring = _ring(mask, "vote")
+                    dim = sum(int(d.size) for d in delta)
+                    out.vector = encode_values_and_votes(out.values, vote, dim=dim,
+                                                         enc=ring.encoding(out.weight),
+                                                         rng=ring.rng)
+                    out.masked = ring.mask_encoded(out.vector)
+                    return out
             else:
                 out.payload = payload
         if mask is not None and out.values is not None:
             out.masked = mask(out.values, out.weight)
         return out
+
+
+def _ring(mask: Masker | None, mode: str) -> RingMasker:
+    """The masker as a :class:`RingMasker` (the sketch and vote paths pre-encode)."""
+    if not isinstance(mask, RingMasker):
+        raise ProtocolError(explain(
+            "UploadPipeline.run(mask=...)", type(mask).__name__,
+            f"a secure '{mode}' upload hands the masker an already-encoded ring vector",
+            "pass a fedagg.update.SecAggMasker (or any RingMasker: encoding() and "
+            "mask_encoded())"))
+    return mask
+
+
+def _load_state(comp: object, residual: Mapping[str, NDArray[Any]] | None,
+                delta: Sequence[NDArray[np.float32]]) -> None:
+    """Restore the error-feedback state kept at the site, when it fits this update.
+
+    ``ErrorFeedback``: ``residual.<i>``; ``DGCFeedback`` (``shared-dgc``): ``residual.<i>``
+    and ``momentum.<i>``. A state of other shapes (the model changed) starts afresh.
+    """
+    if not residual:
+        return
+    shapes = [d.shape for d in delta]
+    if isinstance(comp, ErrorFeedback):
+        res = [np.asarray(residual[k]) for k in sorted(residual, key=_index)
+               if k.startswith("residual.")]
+        if [r.shape for r in res] == shapes:
+            comp.load_state_dict({f"residual.{i}": r for i, r in enumerate(res)})
+    elif isinstance(comp, DGCFeedback):
+        res = [np.asarray(residual[k]) for k in sorted(residual, key=_index)
+               if k.startswith("residual.")]
+        if [r.shape for r in res] != shapes:
+            return
+        try:
+            comp.load_state_dict(dict(residual))
+        except ConfigError:
+            comp.reset()
 
 
 def _index(key: str) -> int:

@@ -16,6 +16,19 @@ Supports (``compression.support``)
     ``block``, ``aggtopk``): every site sends the values on one support derived from public
     information only (no index bytes, nothing revealed per site). Required under secure
     aggregation, where masks cancel only on a support all sites share.
+
+Secure sparse modes of issue 21 (named in ``compression.up`` itself, any support setting)
+--------------------------------------------------------------------------------------------
+``sketch``
+    FetchSGD (Rothchild et al. 2020): each site sends the count sketch of its whole update;
+    the server keeps momentum and error in sketch space and applies the top-k of the summed
+    sketch. Allowed in plaintext too (the server then sees each site's sketch).
+``vote``
+    Secure index voting: values on the support voted (securely) by all sites in the previous
+    round, plus this round's vote. **Secure aggregation only**: a site's vote table is a
+    Bloom filter of its own top-k indices, so a plaintext run refuses it.
+``shared-dgc``
+    A public support with DGC-style error feedback (Lin et al. 2018).
 """
 
 from __future__ import annotations
@@ -47,6 +60,10 @@ DOWN_CODECS = ("none", "fp16", "bf16")
 _SUPPORT_STAGES = {"random": "shared", "block": "block", "topk-aggregate": "aggtopk"}
 _OWN_INDEX = ("topk", "randk")
 _PUBLIC = ("shared", "block", "aggtopk")
+_SHARED_MODES = ("vote", "shared-dgc")
+"""Issue 21's stages that send values on a shared support (no index bytes)."""
+_SECURE_SPARSE = (*_PUBLIC, *_SHARED_MODES, "sketch")
+"""Sparsifiers secure aggregation accepts: their masks cancel (one shared vector space)."""
 _QUANTIZERS = ("int8", "fp16", "bf16")
 
 
@@ -130,13 +147,66 @@ def _check_secure(up: str, support: str, spec: str, names: tuple[str, ...]) -> N
             "uploads are dense or sparse on a public support",
             "drop the quantizer stage, e.g. compression.up = 'topk:0.01+ef' with "
             "compression.support = 'random'"))
-    other = [n for n in names if n not in (*_PUBLIC, "ef")]
-    if other or not any(n in _PUBLIC for n in names):
+    other = [n for n in names if n not in (*_SECURE_SPARSE, "ef")]
+    if other or sum(n in _SECURE_SPARSE for n in names) != 1:
         raise ConfigError(explain(
             "compression.up", up,
-            "secure aggregation accepts one public-support sparsifier (a topk / randk amount "
-            "with compression.support = random | block | topk-aggregate) plus optional 'ef'",
-            "e.g. compression.up = 'topk:0.01+ef' with compression.support = 'random'"))
+            "secure aggregation accepts one sparsifier whose masks cancel: a public support "
+            "(a topk / randk amount with compression.support = random | block | "
+            "topk-aggregate), 'vote', 'shared-dgc' or 'sketch', plus optional 'ef'",
+            "e.g. compression.up = 'topk:0.01+ef' with compression.support = 'random', "
+            "'vote:0.0075,vote=0.0025,rows=2,cols=2048+ef' or 'sketch:k=2000,rows=3,cols=750'"))
+
+
+def _check_plaintext(up: str, comp: object) -> None:
+    """Refuse stages whose upload must only ever travel masked (``requires_secure_aggregation``).
+
+    The flag is read from every stage of the built pipeline (through ``inner`` / ``first``),
+    so a plugin stage can declare it too.
+    """
+    node, seen = comp, 0
+    while node is not None and seen < 16:
+        if getattr(node, "requires_secure_aggregation", False):
+            name = type(node).__name__
+            raise ConfigError(explain(
+                "compression.up", up,
+                f"{name} casts each site's vote table in the clear without secure "
+                "aggregation: a site's vote is a Bloom filter of its own top-k, i.e. which "
+                "coordinates mattered most to that site (its indices); it may only travel "
+                "masked, where the server learns nothing but the sum of all votes",
+                "set strategy.name = 'secure' (secure aggregation), or, in plaintext, use a "
+                "public support ('topk:0.01+ef' with compression.support = 'random') or "
+                "'topk:0.01+ef' with compression.support = 'reveal-indices' if revealing "
+                "per-site indices is acceptable"))
+        node = getattr(node, "inner", None) or getattr(node, "first", None)
+        seen += 1
+
+
+def _kwarg(parsed: ParsedSpec, stage: str, key: str) -> str | None:
+    for _, name, _, kwargs in parsed.parts:
+        if name == stage:
+            return dict(kwargs).get(key)
+    return None
+
+
+def _dgc_on_aggregate(parsed: ParsedSpec) -> bool:
+    """Whether a ``shared-dgc`` stage takes its support from the previous aggregate."""
+    value = _kwarg(parsed, "shared-dgc", "support")
+    return value is not None and value.strip().lower() == "aggtopk"
+
+
+def _first_round_spec(parsed: ParsedSpec) -> ParsedSpec:
+    """``shared-dgc:…,support=aggtopk`` without a previous aggregate: the seeded random
+    support of the same amount (as ``aggtopk`` falls back to ``shared``)."""
+    parts = []
+    for part, name, _, _ in parsed.parts:
+        if name == "shared-dgc":
+            stage, _, rest = part.partition(":")
+            keep = [a for a in rest.split(",")
+                    if a.partition("=")[0].strip().lower() not in ("support", "random")]
+            part = f"{stage}:{','.join(keep)}"
+        parts.append(part)
+    return parse_spec("+".join(parts))
 
 
 @dataclass(frozen=True)
@@ -169,6 +239,7 @@ class UploadSpec:
     secure: bool = False
     stages: tuple[str, ...] = ("none",)
     _parsed: ParsedSpec | None = field(default=None, compare=False, repr=False)
+    _first: ParsedSpec | None = field(default=None, compare=False, repr=False)
 
     @staticmethod
     def parse(up: str = "none", *, support: str = "reveal-indices", down: str = "none",
@@ -190,18 +261,30 @@ class UploadSpec:
 
     @property
     def error_feedback(self) -> bool:
-        """Whether sites keep an error-feedback residual."""
-        return "ef" in self.stages
+        """Whether sites keep an error-feedback state (``ef``, or ``shared-dgc``'s own)."""
+        return "ef" in self.stages or "shared-dgc" in self.stages
 
     @property
     def needs_previous(self) -> bool:
-        """Whether the support is the top-k of the previous public aggregate (``aggtopk``)."""
-        return "aggtopk" in self.stages
+        """Whether the support is the top-k of the previous public aggregate (``aggtopk``,
+        or ``shared-dgc:…,support=aggtopk``)."""
+        return "aggtopk" in self.stages or self._first is not None
 
     @property
     def public_support(self) -> bool:
-        """Whether every site sends the values on one public support (no index bytes)."""
-        return any(n in _PUBLIC for n in self.stages)
+        """Whether every site sends the values on one shared support (no index bytes):
+        ``shared``, ``block``, ``aggtopk``, ``vote`` or ``shared-dgc``."""
+        return any(n in (*_PUBLIC, *_SHARED_MODES) for n in self.stages)
+
+    @property
+    def sketch(self) -> bool:
+        """Whether sites send a count sketch of their update (FetchSGD, ``sketch``)."""
+        return "sketch" in self.stages
+
+    @property
+    def votes(self) -> bool:
+        """Whether sites vote for the next round's support (``vote``; secure only)."""
+        return "vote" in self.stages
 
     @property
     def reveals_indices(self) -> bool:
@@ -223,6 +306,8 @@ class UploadSpec:
         """
         parsed = self._parsed if self._parsed is not None else parse_spec(self.up)
         rename = {"aggtopk": "shared"} if previous_aggregate is None else None
+        if previous_aggregate is None and self._first is not None:
+            parsed = self._first
         return parsed.build(seed=public_seed(run_seed), round=int(server_round),
                             previous_aggregate=previous_aggregate, rename=rename)
 
@@ -246,10 +331,13 @@ def _parse(up: str, support: str, down: str, secure: bool) -> UploadSpec:
             "compression.down", down,
             "secure aggregation masks the delta against the model as sent; a lossy downward "
             "codec is not supported there yet", "set compression.down = 'none'"))
+    first = _first_round_spec(parsed) if _dgc_on_aggregate(parsed) else None
     out = UploadSpec(up=spec, requested=up, support=support, down=down, secure=secure,
-                     stages=names, _parsed=parsed)
+                     stages=names, _parsed=parsed, _first=first)
     # validate the arguments now: a bad spec fails at start-up, not in round 1 at every site
-    out.compressor(run_seed=0, server_round=1)
+    built = out.compressor(run_seed=0, server_round=1)
+    if not secure:
+        _check_plaintext(up, built)
     if out.needs_previous:
         out.compressor(run_seed=0, server_round=1, previous_aggregate=np.zeros(1, np.float32))
     return out

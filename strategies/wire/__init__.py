@@ -7,7 +7,7 @@ nothing else converts between Flower records and fedagg's core objects.
   before allocation: :func:`safe_numpy`), config dicts <-> ``ConfigRecord``, the serialized
   size of a message (:func:`message_nbytes`);
 * :mod:`strategies.wire.upload` — the upload pipeline's records: :class:`Instruction`, the
-  previous model, the compressed payload;
+  previous model, the compressed payload, the previous round's vote sum;
 * :mod:`strategies.wire.secagg` — secure-aggregation protocol messages, stages and public
   parameters, Flower node ids <-> small site indices.
 """
@@ -44,9 +44,12 @@ from strategies.wire.upload import (
     PREVIOUS_KEY,
     REPLY_KEY,
     UPLOAD_WIRE,
+    VOTES_KEY,
     Instruction,
     payload_bytes,
     payload_record,
+    votes_from_record,
+    votes_record,
 )
 
 __all__ = [
@@ -61,6 +64,7 @@ __all__ = [
     "SECAGG_WIRE",
     "STAGES",
     "UPLOAD_WIRE",
+    "VOTES_KEY",
     "Instruction",
     "SiteIndex",
     "arrays_to_record",
@@ -80,4 +84,6 @@ __all__ = [
     "safe_numpy",
     "strip",
     "unpack",
+    "votes_from_record",
+    "votes_record",
 ]

@@ -8,7 +8,10 @@ A train message of a compressed or secure-sparse round carries, besides the mode
   previous global model (``topk-aggregate`` supports), the site-state namespace and the
   :data:`UPLOAD_WIRE` version. The site acts only when it is present: the server decides;
 * optionally ArrayRecord :data:`PREVIOUS_KEY`: the previous round's global model as sent, for
-  a site that did not take part in that round.
+  a site that did not take part in that round;
+* for secure index voting (``vote``), ArrayRecord :data:`VOTES_KEY`: the summed vote table
+  of round ``Instruction.votes_round`` (public: what the server unmasked), from which the
+  site derives this round's support (:func:`votes_record` / :func:`votes_from_record`).
 
 A compressed reply carries ArrayRecord :data:`REPLY_KEY` with one uint8 array
 :data:`PAYLOAD_KEY` (the :func:`fedagg.compression.codec.encode` bytes) next to the usual
@@ -32,9 +35,12 @@ __all__ = [
     "PREVIOUS_KEY",
     "REPLY_KEY",
     "UPLOAD_WIRE",
+    "VOTES_KEY",
     "Instruction",
     "payload_bytes",
     "payload_record",
+    "votes_from_record",
+    "votes_record",
 ]
 
 INSTRUCTION_KEY = "fedagg.compression"
@@ -45,6 +51,8 @@ REPLY_KEY = "compressed"
 """ArrayRecord key of the compressed update in a reply."""
 PAYLOAD_KEY = "payload"
 """Array key (uint8) of the encoded payload inside :data:`REPLY_KEY`."""
+VOTES_KEY = "fedagg.votes"
+"""ArrayRecord key of the previous round's summed vote table (``vote`` specs)."""
 UPLOAD_WIRE = 2
 """Version of the instruction record (1: fedagg 0.1, no ``wire`` field; refused)."""
 
@@ -71,6 +79,9 @@ class Instruction:
         Suffix of the site's ``Context.state`` keys (several strategies in one run).
     support : str
         ``compression.support`` (informational; :attr:`up` already reflects it).
+    votes_round : int
+        Round whose summed vote table travels in :data:`VOTES_KEY` (``-1``: none; the site
+        then uses the seeded random support).
     """
 
     up: str
@@ -81,14 +92,18 @@ class Instruction:
     previous_round: int = -1
     namespace: str = ""
     support: str = "reveal-indices"
+    votes_round: int = -1
 
     def to_record(self) -> ConfigRecord:
         """As a ConfigRecord."""
-        return ConfigRecord({"wire": UPLOAD_WIRE, "up": self.up, "down": self.down,
-                             "down-encoded": [int(i) for i in self.down_encoded],
-                             "run-seed": int(self.run_seed), "server-round": int(self.server_round),
-                             "previous-round": int(self.previous_round),
-                             "namespace": self.namespace, "support": self.support})
+        rec = ConfigRecord({"wire": UPLOAD_WIRE, "up": self.up, "down": self.down,
+                            "down-encoded": [int(i) for i in self.down_encoded],
+                            "run-seed": int(self.run_seed), "server-round": int(self.server_round),
+                            "previous-round": int(self.previous_round),
+                            "namespace": self.namespace, "support": self.support})
+        if self.votes_round >= 0:  # only voting rounds carry it (older sites never see it)
+            rec["votes-round"] = int(self.votes_round)
+        return rec
 
     @classmethod
     def from_record(cls, rec: ConfigRecord) -> Instruction:
@@ -121,7 +136,8 @@ class Instruction:
         return cls(up=get("up", str), down=get("down", str), down_encoded=[int(e) for e in enc],
                    run_seed=get("run-seed", int), server_round=get("server-round", int),
                    previous_round=get("previous-round", int), namespace=get("namespace", str),
-                   support=get("support", str))
+                   support=get("support", str),
+                   votes_round=get("votes-round", int) if "votes-round" in rec else -1)
 
 
 def payload_record(data: bytes) -> ArrayRecord:
@@ -150,3 +166,35 @@ def payload_bytes(record: ArrayRecord) -> bytes:
     except UpdateRejected as exc:
         raise CodecError(str(exc)) from None
     return bytes(np.ascontiguousarray(data, dtype=np.uint8).tobytes())
+
+
+def votes_record(vote_sum: np.ndarray) -> ArrayRecord:
+    """A summed vote table -> ArrayRecord :data:`VOTES_KEY` (counts as uint8 / uint16 / uint32,
+    the narrowest that holds them: downward bytes are counted like any others)."""
+    table = np.asarray(vote_sum)
+    top = int(table.max(initial=0))
+    dtype = np.uint8 if top < 2**8 else np.uint16 if top < 2**16 else np.uint32
+    return ArrayRecord({"sum": Array(np.ascontiguousarray(table, dtype=dtype))})
+
+
+def votes_from_record(record: ArrayRecord) -> np.ndarray:
+    """ArrayRecord :data:`VOTES_KEY` -> the summed vote table (int64).
+
+    Raises
+    ------
+    ProtocolError
+        Not one 2-D unsigned-integer array ``"sum"``.
+    """
+    if list(record.keys()) != ["sum"]:
+        raise ProtocolError(explain(f"{VOTES_KEY}.keys", list(record.keys())[:5],
+                                    "must be ['sum']", "run the same fedagg version on the "
+                                    "server and the sites"))
+    arr = record["sum"]
+    if arr.dtype not in ("uint8", "uint16", "uint32") or len(arr.shape) != 2:
+        raise ProtocolError(explain(f"{VOTES_KEY}.sum", f"{arr.dtype}{arr.shape}",
+                                    "must be a 2-D unsigned integer table", "-"))
+    try:
+        table = safe_numpy(arr, name=f"{VOTES_KEY}.sum", copy=True)
+    except UpdateRejected as exc:
+        raise ProtocolError(str(exc)) from None
+    return np.asarray(table, np.int64)

@@ -1,0 +1,248 @@
+"""What a secure round masks: the vector's layout, the masking step, the pre-encoded inputs.
+
+Secure aggregation sums one vector of ring elements per site (``Z_2^b``, fedagg.secagg). For
+dense and public-support uploads that vector is the fixed-point encoding of floats, made by
+the masker itself (``ClientState.handle_round``). Two secure sparse modes of issue 21 hand it
+an input they have already encoded (``ClientState.handle_round_encoded``):
+
+* ``sketch`` (FetchSGD, Rothchild et al. 2020): the **exact** integer count sketch of the
+  site's fixed-point update, ``[S_int(q), w_q]`` (:func:`fedagg.compression.ring.encode_table`),
+  so the unmasked modular sum is exactly the integer sketch of the summed updates;
+* ``vote`` (secure index voting): the fixed-point values on the voted support, then this
+  round's vote table packed several counters to a ring element
+  (:func:`fedagg.compression.ring.pack_counters`), then the weight: ``[values | votes | w_q]``,
+  one secure sum for both (the vote's bytes are part of the masked upload).
+
+:class:`MaskedLayout` is that vector's layout; :func:`masked_layout` derives it from public
+data only (the spec, the public history, the model size and the round's ring), so the server
+opens the round with the right length and both sides split the sum alike.
+
+References
+----------
+.. [Rothchild2020] D. Rothchild et al. "FetchSGD: Communication-Efficient Federated Learning
+   with Sketching". ICML 2020 (sketches are linear: the sum of sketches is the sketch of the sum).
+.. [Bonawitz2017] K. Bonawitz et al. "Practical Secure Aggregation for Privacy-Preserving
+   Machine Learning". CCS 2017 (inputs in ``Z_R``, fixed-point encoding, Sec. 3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import numpy as np
+from numpy.typing import NDArray
+
+from fedagg.compression import SketchCompressor, VoteSupport, find_sketch, find_vote_support
+from fedagg.compression.ring import counters_per_element, encode_table
+from fedagg.errors import ProtocolError, explain
+from fedagg.update.history import SupportHistory
+
+if TYPE_CHECKING:
+    from fedagg.secagg import ClientState, MaskedUpload, RoundRequest
+
+__all__ = [
+    "MaskedLayout",
+    "RingEncoding",
+    "RingMasker",
+    "SecAggMasker",
+    "encode_sketch",
+    "encode_values_and_votes",
+    "masked_layout",
+]
+
+
+@dataclass(frozen=True)
+class RingEncoding:
+    """The fixed-point encoding of one secure round, as a site uses it.
+
+    Attributes
+    ----------
+    frac_bits, ring_bits : int
+        Fractional bits and ring width ``b`` of the round.
+    clip : float
+        Values (and sketch counters) are clipped to ``[-clip, clip]``.
+    num_sites : int
+        Participants of the round (bounds a summed vote counter).
+    weight_q : int
+        The site's quantised weight (last element of the vector).
+    """
+
+    frac_bits: int
+    ring_bits: int
+    clip: float
+    num_sites: int
+    weight_q: int
+
+
+@runtime_checkable
+class RingMasker(Protocol):
+    """A masking step that also takes already-encoded ring vectors.
+
+    ``mask(values, weight)`` encodes floats itself (dense and public-support uploads);
+    :meth:`encoding` and :meth:`mask_encoded` serve the sketch and vote paths.
+    """
+
+    rng: np.random.Generator
+    """Randomness of the stochastic rounding (private to the site)."""
+
+    def __call__(self, values: NDArray[np.float64], weight: float) -> Any:
+        """Encode and mask ``values`` with ``weight``."""
+
+    def encoding(self, weight: float) -> RingEncoding:
+        """The round's encoding for a site of ``weight``."""
+
+    def mask_encoded(self, vector: NDArray[np.uint32]) -> Any:
+        """Mask a ``[..., w_q]`` ring vector as given."""
+
+
+class SecAggMasker:
+    """The masking step of one SecAgg+ round at a site: its ``ClientState`` and request.
+
+    Parameters
+    ----------
+    state : fedagg.secagg.ClientState
+        The site's protocol state (keyed, ready for the round).
+    request : fedagg.secagg.RoundRequest
+        The server's round request.
+    rng : numpy.random.Generator
+        Randomness of the stochastic rounding (an unseeded generator in deployment).
+    """
+
+    def __init__(self, state: ClientState, request: RoundRequest, *,
+                 rng: np.random.Generator) -> None:
+        self.state, self.request, self.rng = state, request, rng
+
+    def __call__(self, values: NDArray[np.float64], weight: float) -> MaskedUpload:
+        """``ClientState.handle_round``: fixed-point encode, mask, share."""
+        return self.state.handle_round(self.request, values, weight, rng=self.rng)
+
+    def encoding(self, weight: float) -> RingEncoding:
+        """``ClientState.round_encoding`` of the request, with the clip and the site count."""
+        frac_bits, ring_bits, weight_q = self.state.round_encoding(self.request, weight)
+        return RingEncoding(frac_bits, ring_bits, float(self.state.params.clip),
+                            len(tuple(self.request.participants)), weight_q)
+
+    def mask_encoded(self, vector: NDArray[np.uint32]) -> MaskedUpload:
+        """``ClientState.handle_round_encoded``: mask the ring vector as given."""
+        return self.state.handle_round_encoded(self.request, vector)
+
+
+@dataclass(frozen=True)
+class MaskedLayout:
+    """The masked vector of one secure round: ``[values | packed votes | weight]``.
+
+    Attributes
+    ----------
+    values : int
+        Fixed-point elements: the dense delta, the values on the shared support, or the
+        ``rows * cols`` counters of the count sketch.
+    sketch_shape : tuple of int or None
+        ``(rows, cols)`` when the values are a sketch table.
+    vote_counters, vote_bits, vote_elements : int
+        Counters of the vote table, bits per packed counter, and the ring elements that
+        carry them (0 without votes).
+    """
+
+    values: int
+    sketch_shape: tuple[int, int] | None = None
+    vote_counters: int = 0
+    vote_bits: int = 0
+    vote_elements: int = 0
+
+    @property
+    def dim(self) -> int:
+        """``RoundRequest.dim``: elements before the weight."""
+        return self.values + self.vote_elements
+
+    @property
+    def encoded(self) -> bool:
+        """Whether the site encodes the vector itself (sketch or votes)."""
+        return self.sketch_shape is not None or self.vote_elements > 0
+
+    def split(self, total: NDArray[np.uint32]) -> NDArray[np.uint32]:
+        """The packed vote elements of an unmasked sum (``dim + 1`` elements).
+
+        Raises
+        ------
+        ProtocolError
+            ``total`` does not have ``dim + 1`` elements.
+        """
+        t = np.asarray(total)
+        if t.shape != (self.dim + 1,):
+            raise ProtocolError(explain("unmasked sum", t.shape,
+                                        f"must have {self.dim + 1} elements", "-"))
+        out: NDArray[np.uint32] = t[self.values:self.values + self.vote_elements].astype(
+            np.uint32)
+        return out
+
+
+def masked_layout(history: SupportHistory, dim: int, *, num_sites: int,
+                  ring_bits: int) -> MaskedLayout:
+    """The round's layout from public data: the spec, the history, ``dim`` and the ring.
+
+    Raises
+    ------
+    ProtocolError
+        A sparse spec whose round has no support.
+    """
+    spec = history.spec
+    if spec.dense:
+        return MaskedLayout(values=int(dim))
+    if spec.sketch:
+        stage = _sketch_stage(history)
+        sk = stage.sketch_for(int(dim))
+        return MaskedLayout(values=sk.size, sketch_shape=sk.shape)
+    support = history.support()
+    if support is None:
+        raise ProtocolError(explain("secure sparse round", spec.up, "has no shared support",
+                                    "use a public-support, vote or sketch spec"))
+    vote = find_vote_support(history.compressor()) if spec.votes else None
+    if vote is None:
+        return MaskedLayout(values=int(support.size))
+    counters = vote.sketch_for(int(dim)).size
+    bits = vote.vote_field_bits(int(dim), int(num_sites))
+    per = counters_per_element(bits, int(ring_bits))
+    return MaskedLayout(values=int(support.size), vote_counters=counters, vote_bits=bits,
+                        vote_elements=-(-counters // per))
+
+
+def _sketch_stage(history: SupportHistory) -> SketchCompressor:
+    stage = find_sketch(history.compressor())
+    if stage is None:  # the spec says sketch: unreachable unless a plugin renames stages
+        raise ProtocolError(explain("compression.up", history.spec.up, "has no sketch stage",
+                                    "use a 'sketch:...' spec"))
+    return stage
+
+
+def encode_sketch(delta: Sequence[NDArray[Any]], stage: SketchCompressor, enc: RingEncoding,
+                  rng: np.random.Generator) -> tuple[NDArray[np.uint32], int]:
+    """Site: ``[S_int(q), w_q]`` of the update, exact path; and the clipped-counter count.
+
+    ``q`` is the fixed-point update (clipped at ``enc.clip``, stochastic rounding), the
+    integer sketch is clipped to ``+-enc.clip`` in value units, so the round's headroom
+    (computed by secure aggregation for ``enc.clip``) also holds for the summed counters.
+    """
+    flat_dim = sum(int(np.size(d)) for d in delta)
+    return encode_table(delta, stage.sketch_for(flat_dim), weight_q=enc.weight_q,
+                        frac_bits=enc.frac_bits, clip=enc.clip, table_clip=enc.clip, rng=rng)
+
+
+def encode_values_and_votes(values: NDArray[np.float64], vote: VoteSupport, *, dim: int,
+                            enc: RingEncoding, rng: np.random.Generator
+                            ) -> NDArray[np.uint32]:
+    """Site: ``[fixed-point values | packed votes (VoteSupport.last_votes) | w_q]``.
+
+    Raises
+    ------
+    ConfigError
+        No vote was cast (compress first) or a counter does not fit its field.
+    """
+    from fedagg.secagg import fixed_point
+
+    vec = fixed_point.encode(values, enc.weight_q, frac_bits=enc.frac_bits, clip=enc.clip,
+                             rng=rng)
+    votes = vote.packed_votes(dim=int(dim), num_sites=enc.num_sites, ring_bits=enc.ring_bits)
+    out: NDArray[np.uint32] = np.concatenate([vec[:-1], votes, vec[-1:]]).astype(np.uint32)
+    return out
