@@ -130,7 +130,10 @@ def make_client_app(task: TaskSource = None, *, mods: Sequence[Mod] = ()) -> Cli
                         settings=settings.train_settings(), weights=weights,
                         fault=worker_fault(settings))
         result = run_site(job, settings.cfg.site, name=settings.name,
-                          server_round=settings.server_round)
+                          server_round=settings.server_round,
+                          owner=(context.run_id, context.node_id),
+                          worker_service=settings.node.worker_service,
+                          service_token=settings.node.worker_service_token)
         metrics: dict[str, Any] = {"num-examples": result.num_examples,
                                    "partition-id": settings.partition_id,
                                    "server-round": settings.server_round, **result.metrics}

@@ -69,6 +69,8 @@ class NodeConfig(BaseModel):
     workers: int | None = Field(None, ge=1, le=512, description="Local workers (overrides site.workers).")
     mode: Literal["inprocess", "process"] | None = Field(None, description="Worker mode (overrides site.mode).")
     algorithm: Literal["auto", "ring", "tree", "hierarchical", "native"] | None = Field(None, description="All-reduce algorithm (overrides site.algorithm).")
+    worker_service: str | None = Field(None, description="Socket of the site's worker service (`fedagg site-workers --socket PATH`): the site trains on its persistent workers.")
+    worker_service_token: str | None = Field(None, description="Token file of the worker service (default: the socket path + '.token').")
 
 
 def _fedagg_key(key: str) -> bool:

@@ -1,80 +1,76 @@
 """A site's training: one worker, or K local workers as one data-parallel job; one update.
 
 On every train message :func:`run_site` trains the user's :class:`~fedagg.task.Task`. With
-``site.workers = K > 1`` it starts the site's K workers (:class:`SiteRuntime`), each trains
-its share of every step (:func:`clients.worker.train_worker`), gradients are summed across
-workers after every step with bucketed, overlapped all-reduce
-(:class:`clients.buckets.GradReducer`, Li et al. 2020), and after ``train.local_epochs``
-epochs the workers hold bit-identical weights; worker 0's are the site's update.
+``site.workers = K > 1`` the site's K workers each train their share of every step
+(:func:`clients.worker.train_worker`), gradients are summed across workers after every step
+with bucketed, overlapped all-reduce (:class:`clients.buckets.GradReducer`, Li et al. 2020),
+and after ``train.local_epochs`` epochs the workers hold bit-identical weights; worker 0's
+are the site's update.
 
-Worker modes (``site.mode``):
+Where the workers run:
 
-``process``
-    K real processes (``python -m clients.worker``) joined by torch.distributed: gloo on CPU,
-    NCCL with one GPU per worker when the process sees at least K GPUs. The ClientApp process
-    hosts the rendezvous store at a port the OS picks, so concurrent simulated sites never
-    collide. The job (task, settings, weights) and results travel through files in a private
-    temporary directory (under ``$FEDAGG_SITE_TMPDIR`` if set, else the system's temporary
-    directory); each worker builds the model and its data itself (``Task.model`` /
-    ``Task.data``), so the task must be picklable. Workers inherit this process's ``sys.path``.
-``inprocess``
-    K threads inside the ClientApp process on an :class:`~fedagg.collectives.InProcessGroup`:
-    cheap simulation of many multi-worker sites, same training code; the site's data is built
-    once and shared.
+* ``site.persistent`` (default) and a caller that names the site (the ClientApp passes the
+  Flower run id and node id): the site's :class:`~clients.pool.WorkerPool` from the registry
+  of this process (:func:`clients.pool.pool_for`), started at the first round and reused
+  until the run ends -- the workers keep their process group, model, data, reducer layout and
+  (``site.keep_optimizer``) optimizer state; a round sends only the global weights and the
+  round's settings.
+* ``worker_service`` (a SuperNode's ``worker-service`` node-config key): the site-local
+  worker service an operator started next to the SuperNode (``fedagg site-workers``,
+  :mod:`clients.service`), which holds the pool across Flower's per-message ClientApp
+  processes.
+* otherwise a pool for this one round, closed before returning (fresh workers every round).
 
-Failure handling. Every worker reports its progress (``compute`` / ``comm`` phase and step).
-A worker that dies, raises, or makes no progress for ``site.worker_timeout`` seconds while
-not waiting for its peers fails the site: all workers started here are stopped (processes
-killed by PID and reaped), the temporary directory is removed, and :class:`WorkerError` names
-the worker and the cause. Raised in the ClientApp, it becomes Flower's error reply; the next
-round starts fresh workers.
+Worker modes (``site.mode``): ``process`` -- K real processes (``python -m
+clients.pool_worker``) joined by torch.distributed, gloo on CPU, NCCL with one GPU per worker
+when the process sees at least K GPUs (:mod:`clients.pool_proc`); ``inprocess`` -- K threads
+on an in-process group, the site's data built once and shared (:class:`clients.pool.ThreadPool`).
+A site of one worker trains in this process.
+
+Failures (:mod:`clients.pool`): with ``site.elastic`` (default) a worker that dies or hangs
+mid-round is dropped, the survivors re-form the group and redo the round, and the lost one is
+replaced at the next round; a worker that raises fails the site with :class:`WorkerError`
+naming the worker and the cause (Flower's error reply); no worker is left running.
+
+Metrics of the reply (per round; Flower's metric records hold numbers only):
+``workers`` (workers whose training the update holds), ``workers_configured``,
+``workers_lost``, ``round_attempts`` (1 = no redo), ``workers_started`` (processes or
+threads started this round: 0 from round 2 on with a persistent pool), ``startup_seconds``
+(starting and grouping workers), ``overhead_seconds`` (everything outside local training:
+start-up, weight hand-off, reply), ``redo_seconds``, ``train_seconds``, ``compute_seconds``,
+``comm_seconds`` (inside all-reduce calls, overlapped or not), ``comm_wait_seconds`` (exposed
+communication: the training thread waited), ``bytes_allreduced``, ``bytes_sent``,
+``allreduce_calls``, ``buckets``, ``hidden_buckets`` (bucket reductions already finished when
+backward returned), ``copied_params`` (gradients that were not bucket views),
+``bucket_rebuilds``, ``algorithm_<name>`` = 1 for each algorithm that ran (``ring``, ``tree``,
+``hierarchical``, ``native``), ``auto_native`` (``auto``: 1 if it chose the backend's native
+all-reduce, 0 for the cost model's schedule), ``probe_seconds`` and ``probe_<name>_seconds``
+(the round that ran ``auto``'s probe), ``optimizer_rounds`` (rounds of local optimizer state
+carried in), ``epoch_seconds``, ``site_seconds``, ``train_loss``, ``steps``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import pickle
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-import threading
 import time
-import traceback
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from clients.worker import (
-    JOB_FILE,
-    WorkerJob,
-    WorkerResult,
-    error_file,
-    progress_file,
-    result_file,
-    train_worker,
-)
-from fedagg.collectives import InProcessGroup
+from clients.pool import PoolKey, RoundInfo, make_pool, pool_for, task_identity
+from clients.worker import WorkerJob, WorkerResult
 from fedagg.config import SiteConfig
-from fedagg.errors import CollectiveError, ConfigError, WorkerError, explain
+from fedagg.errors import WorkerError, explain
 from fedagg.task import SiteData
 
-__all__ = ["SiteResult", "SiteRuntime", "run_site"]
+__all__ = ["SiteResult", "SiteRuntime", "default_device", "run_site", "with_site"]
 
 _log = logging.getLogger(__name__)
 
-_ROOT = Path(__file__).resolve().parents[1]  # holds clients/ and fedagg/ (repo or app bundle)
-_POLL_S = 0.05
-_GRACE_S = 2.0
-_WAITING = ("comm", "done")
-STARTUP_S = 120.0
-"""Extra seconds a worker may take to start (import torch, join the process group)."""
+ALGORITHM_NAMES = ("ring", "tree", "hierarchical", "native")
 
 
 @dataclass
@@ -87,346 +83,127 @@ class SiteResult:
     workers: list[WorkerResult]
 
 
-@dataclass
-class _Failure:
-    rank: int
-    cause: str
-    detail: str
-    primary: bool
-    when: float
-    pid: int | None = None
-    hung: bool = False
+def default_device(site: SiteConfig) -> str:
+    """``$FEDAGG_SITE_DEVICE``, else CUDA in process mode with >= K GPUs, else CPU."""
+    env = os.environ.get("FEDAGG_SITE_DEVICE")
+    if env:
+        return env
+    if site.mode != "process" or site.workers == 1:
+        return "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= site.workers else "cpu"
 
 
-class _Progress:
-    """Last progress state of each worker and when it last changed."""
-
-    def __init__(self, k: int) -> None:
-        now = time.monotonic()
-        self.state: list[str] = ["start 0"] * k
-        self.changed: list[float] = [now] * k
-
-    def update(self, rank: int, state: str) -> None:
-        """Record worker ``rank``'s state ``"<phase> <step> [<counter>]"``."""
-        if state != self.state[rank]:
-            self.state[rank], self.changed[rank] = state, time.monotonic()
-
-    def phase(self, rank: int) -> str:
-        return self.state[rank].split()[0]
-
-    def step(self, rank: int) -> str:
-        parts = self.state[rank].split()
-        return parts[1] if len(parts) > 1 else "?"
-
-    def stalled(self, timeout: float) -> list[int]:
-        """Workers that are silent while not waiting for a peer, or all if every one waits.
-
-        A worker still starting (``start`` phase: importing torch, joining the process group)
-        gets :data:`STARTUP_S` more seconds.
-        """
-        now = time.monotonic()
-        silent = [r for r, t in enumerate(self.changed)
-                  if now - t > timeout + (STARTUP_S if self.phase(r) == "start" else 0.0)]
-        mine = [r for r in silent if self.phase(r) not in _WAITING]
-        if mine:
-            return mine
-        if len(silent) == len(self.changed) and silent:
-            return silent  # everyone waits on everyone: report all, oldest first
-        return []
-
-
-class SiteRuntime:
-    """Runs one round of a site's K workers in the configured mode.
-
-    Parameters
-    ----------
-    site : SiteConfig
-        Workers, mode, algorithm, bucket size, accumulation, comm dtype, overlap, timeout.
-    name : str
-        Site name for messages and logs.
-    server_round : int
-        Round number for messages.
-    device : str, optional
-        ``"cpu"`` or ``"cuda"``; default: ``$FEDAGG_SITE_DEVICE``, else CUDA in process mode
-        when at least K GPUs are visible, else CPU.
-    """
-
-    def __init__(self, site: SiteConfig, *, name: str = "site", server_round: int = 0,
-                 device: str | None = None) -> None:
-        self.site = site
-        self.name = name
-        self.server_round = server_round
-        self.device = device or os.environ.get("FEDAGG_SITE_DEVICE") or self._default_device()
-
-    def _default_device(self) -> str:
-        if self.site.mode != "process":
-            return "cpu"
-        import torch
-
-        return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= self.site.workers else "cpu"
-
-    def run(self, job: WorkerJob, data: SiteData | None = None) -> SiteResult:
-        """Train the site for one round; return worker 0's weights and the site's metrics.
-
-        ``data`` (in-process mode) is the site's data if the caller built it already.
-
-        Raises
-        ------
-        WorkerError
-            A worker crashed, raised or hung; no worker started here is left running.
-        """
-        k = self.site.workers
-        job = _with_site(job, self.site, self.device)
-        t0 = time.perf_counter()
-        if self.site.mode == "process":
-            results = self._run_processes(job)
-        else:
-            results = self._run_threads(job, data if data is not None else job.task.data(job.site))
-        wall = time.perf_counter() - t0
-        digests = {r.digest for r in results}
-        if len(digests) != 1:
-            raise WorkerError(explain(
-                f"{self.name}: worker weights", f"{len(digests)} different digests over {k} workers",
-                "all workers must end the round with identical weights",
-                "report this as a bug (the all-reduce must give every worker the same sums)"))
-        weights = results[0].weights
-        if weights is None:
-            raise WorkerError(f"{self.name}: worker 0 returned no weights")
-        size = None if self.site.mode == "process" else (data.train_size() if data else None)
-        examples = size if size is not None else sum(r.epoch_examples for r in results)
-        return SiteResult(weights, examples, _metrics(results, wall, job.settings.epochs), results)
-
-    # -- in-process -----------------------------------------------------------------------
-    def _run_threads(self, job: WorkerJob, data: SiteData) -> list[WorkerResult]:
-        k = self.site.workers
-        group = InProcessGroup(k, timeout=job.timeout)
-        comms = group.communicators()
-        results: list[WorkerResult | None] = [None] * k
-        failures: list[_Failure] = []
-        progress = _Progress(k)
-        stop = threading.Event()
-        lock = threading.Lock()
-
-        def body(rank: int) -> None:
-            try:
-                results[rank] = train_worker(
-                    job, comms[rank], data=data, stop=stop, in_process=True,
-                    progress=lambda phase, step: progress.update(rank, f"{phase} {step}"))
-            except BaseException as exc:  # reported by the site below
-                with lock:
-                    failures.append(_Failure(
-                        rank, f"raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-                        traceback.format_exc(limit=-4), not isinstance(exc, CollectiveError),
-                        time.monotonic()))
-                group.abort(f"worker {rank} failed")
-
-        threads = [threading.Thread(target=body, args=(r,), name=f"{self.name}-worker{r}", daemon=True)
-                   for r in range(k)]
-        for t in threads:
-            t.start()
-        while any(t.is_alive() for t in threads) and not failures:
-            time.sleep(_POLL_S)
-            for r in progress.stalled(self.site.worker_timeout):
-                failures.append(self._hung(r, progress, None))
-        if failures:
-            group.abort("the site is stopping its workers")
-            stop.set()
-            deadline = time.monotonic() + _GRACE_S
-            for t in threads:
-                t.join(max(0.0, deadline - time.monotonic()))
-            stuck = [t.name for t in threads if t.is_alive()]
-            if stuck:
-                _log.error("%s: in-process workers still running after abort (abandoned): %s",
-                           self.name, stuck)
-            self._raise(failures, "inprocess")
-        return [r for r in results if r is not None]
-
-    # -- processes --------------------------------------------------------------------------
-    def _run_processes(self, job: WorkerJob) -> list[WorkerResult]:
-        from fedagg.collectives.backends.torch_dist import host_store
-
-        k = self.site.workers
-        job_dir = Path(tempfile.mkdtemp(prefix=f"fedagg-{self.name}-r{self.server_round}-",
-                                        dir=os.environ.get("FEDAGG_SITE_TMPDIR") or None))
-        procs: list[subprocess.Popen[bytes]] = []
-        logs = []
-        try:
-            store, port = host_store(job.timeout)
-            job.port, job.parent_pid = port, os.getpid()
-            job.threads = job.threads or max(1, (os.cpu_count() or 1) // k)
-            (job_dir / JOB_FILE).write_bytes(_pickle_job(job))
-            # the workers import what this process imports (the user's task module too)
-            paths = [str(_ROOT), *(p for p in sys.path if p and Path(p).is_dir()),
-                     *filter(None, [os.environ.get("PYTHONPATH")])]
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
-            for r in range(k):
-                log = open(job_dir / f"worker-{r}.log", "wb")  # noqa: SIM115 -- closed below
-                logs.append(log)
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "clients.worker", str(job_dir), str(r), str(k)],
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                    cwd=str(job_dir)))
-            _log.info("%s: started %d worker processes %s (port %d, %s)", self.name, k,
-                      [p.pid for p in procs], port, self.device)
-            failures = self._watch(procs, job_dir)
-            if failures:
-                self._raise(failures, "process")
-            out = []
-            for r in range(k):
-                out.append(pickle.loads(result_file(job_dir, r).read_bytes()))
-            del store
-            return out
-        finally:
-            _reap(procs)
-            for log in logs:
-                log.close()
-            shutil.rmtree(job_dir, ignore_errors=True)
-
-    def _watch(self, procs: list[subprocess.Popen[bytes]], job_dir: Path) -> list[_Failure]:
-        k = len(procs)
-        progress = _Progress(k)
-        failures: dict[int, _Failure] = {}
-        first: float | None = None
-        while True:
-            for r, p in enumerate(procs):
-                with contextlib.suppress(OSError):
-                    progress.update(r, progress_file(job_dir, r).read_text())
-                rc = p.poll()
-                if rc is None or r in failures:
-                    continue
-                if rc == 0 and result_file(job_dir, r).exists():
-                    continue
-                failures[r] = _process_failure(r, p, rc, job_dir)
-            if first is None:
-                for r in progress.stalled(self.site.worker_timeout):
-                    if r not in failures:
-                        failures[r] = self._hung(r, progress, procs[r].pid)
-            if failures and first is None:
-                first = time.monotonic()
-                for r in failures:
-                    if failures[r].hung:
-                        _kill(procs[r])  # stop the hung one; its peers fail over to us
-            if first is None and all(p.poll() == 0 for p in procs):
-                return []
-            if first is not None and (time.monotonic() - first > _GRACE_S
-                                      or all(p.poll() is not None for p in procs)):
-                return list(failures.values())
-            time.sleep(_POLL_S)
-
-    def _hung(self, rank: int, progress: _Progress, pid: int | None) -> _Failure:
-        phase, step = progress.phase(rank), progress.step(rank)
-        silent = time.monotonic() - progress.changed[rank]
-        return _Failure(
-            rank, f"hung: no progress for {silent:.1f} s (site.worker_timeout = "
-            f"{self.site.worker_timeout} s; last seen in phase {phase!r} at step {step})",
-            "", True, progress.changed[rank], pid, hung=True)
-
-    def _raise(self, failures: list[_Failure], mode: str) -> None:
-        k = self.site.workers
-        main = min(failures, key=lambda f: (not f.primary, f.when, f.rank))
-        others = [f for f in failures if f is not main]
-        if main.hung:
-            fix = ("find what blocks that worker, or raise site.worker_timeout; the next round "
-                   "starts fresh workers")
-        elif "signal" in main.cause or "exited" in main.cause:
-            fix = "see the worker's log below (out of memory? killed by the OS?); the next round " \
-                  "starts fresh workers"
-        else:
-            fix = "fix the error in the worker's traceback below; the next round starts fresh workers"
-        who = f"{self.name}: worker {main.rank} of {k}"
-        text = explain(
-            who, f"pid {main.pid}" if main.pid else f"{mode} thread",
-            f"{main.cause} in round {self.server_round} ({mode} mode); the site's update was "
-            f"discarded and all {k} workers were stopped", fix)
-        if main.detail:
-            text += f"\n--- worker {main.rank} ---\n{main.detail.rstrip()}"
-        for f in sorted(others, key=lambda f: f.rank):
-            text += f"\nalso: worker {f.rank}: {f.cause}"
-        _log.error("%s", text)
-        raise WorkerError(text)
-
-
-def _pickle_job(job: WorkerJob) -> bytes:
-    """The job as bytes for the worker processes; an unpicklable task is named, with the fix."""
-    try:
-        return pickle.dumps(job)
-    except (pickle.PicklingError, AttributeError, TypeError) as exc:
-        raise ConfigError(explain(
-            "site.mode", "process",
-            f"the Task must be picklable to reach the worker processes ({exc})",
-            "define the model, data, loss, optimizer and step functions at module level "
-            "(not lambdas or nested functions), or use site.mode = 'inprocess'")) from None
-
-
-def _process_failure(rank: int, p: subprocess.Popen[bytes], rc: int, job_dir: Path) -> _Failure:
-    err = error_file(job_dir, rank)
-    if err.exists():
-        tb = err.read_text(errors="replace")
-        last = tb.strip().splitlines()[-1] if tb.strip() else f"exit code {rc}"
-        consequence = any(s in tb for s in ("CollectiveError", "CollectiveTimeout", "Connection closed",
-                                            "Connection reset", "gloo", "Broken pipe"))
-        return _Failure(rank, f"raised {last[:300]}", "\n".join(tb.strip().splitlines()[-8:]),
-                        not consequence, time.monotonic(), p.pid)
-    if rc < 0:
-        try:
-            sig = signal.Signals(-rc).name
-        except ValueError:
-            sig = str(-rc)
-        cause = f"died: killed by signal {sig} (exit code {rc})"
-    elif rc == 0:
-        cause = "exited without a result"
-    else:
-        cause = f"died: exited with code {rc} without a traceback"
-    return _Failure(rank, cause, _tail(job_dir / f"worker-{rank}.log"), True, time.monotonic(), p.pid)
-
-
-def _tail(path: Path, lines: int = 8) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
-def _kill(p: subprocess.Popen[bytes]) -> None:
-    if p.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            p.kill()
-
-
-def _reap(procs: list[subprocess.Popen[bytes]]) -> None:
-    """Kill (by PID) and wait for every worker process started here that is still running."""
-    deadline = time.monotonic() + 5.0
-    for p in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        _kill(p)
-        try:
-            p.wait(timeout=10.0)
-        except subprocess.TimeoutExpired:
-            _log.error("worker process %d did not exit after SIGKILL", p.pid)
-
-
-def _with_site(job: WorkerJob, site: SiteConfig, device: str) -> WorkerJob:
+def with_site(job: WorkerJob, site: SiteConfig, device: str) -> WorkerJob:
+    """Copy the site's reducer options, device and timeout into ``job`` (in place)."""
     job.accumulation_steps = site.accumulation_steps
     job.algorithm = site.algorithm
     job.bucket_mb = site.bucket_mb
     job.overlap = site.overlap
     job.comm_dtype = site.comm_dtype
+    job.keep_optimizer = site.keep_optimizer
     job.device = device
     # the site's own watchdog (worker_timeout) fires before a blocked collective gives up
     job.timeout = site.worker_timeout * 1.5 + 5.0
     return job
 
 
-def _metrics(results: list[WorkerResult], wall: float, epochs: int) -> dict[str, float]:
+def _effective(site: SiteConfig) -> SiteConfig:
+    """One worker always trains in this process."""
+    return site if site.workers > 1 else site.model_copy(update={"mode": "inprocess"})
+
+
+def run_site(job: WorkerJob, site: SiteConfig, *, name: str = "site", server_round: int = 0,
+             data: SiteData | None = None, owner: tuple[int, int] | None = None,
+             worker_service: str | None = None, service_token: str | None = None,
+             device: str | None = None) -> SiteResult:
+    """Train a site for one round (see the module docstring for where the workers run).
+
+    Parameters
+    ----------
+    job : WorkerJob
+        The round: task, site info, settings, global weights (and an injected fault).
+    site : SiteConfig
+        The run config's ``[site]`` section (node-config overrides applied).
+    name, server_round : str, int
+        For messages and logs.
+    data : SiteData, optional
+        The site's data if the caller built it (in-process workers).
+    owner : (run_id, node_id), optional
+        The Flower run and node this site is: with ``site.persistent`` its pool is kept.
+    worker_service, service_token : str, optional
+        The socket of a site worker service and its token file (default: ``<socket>.token``).
+    device : str, optional
+        ``"cpu"`` / ``"cuda"``; default :func:`default_device`.
+
+    Raises
+    ------
+    WorkerError
+        A worker raised, too few survived, or the workers could not start; no worker
+        started for this round is left running (the ClientApp turns it into Flower's error
+        reply).
+    """
+    if worker_service:
+        from clients.service import ServiceClient
+
+        client = ServiceClient(worker_service, token_file=service_token)
+        return client.train(job, site, name=name, server_round=server_round, owner=owner)
+    t0 = time.perf_counter()
+    eff = _effective(site)
+    job = with_site(job, eff, device or default_device(eff))
+    if owner is not None and eff.persistent:
+        identity, blob = task_identity(job.task)
+        pool = pool_for(PoolKey(owner[0], owner[1], identity), eff, name=name, device=job.device,
+                        task_blob=blob)
+        results, info = pool.run(job, data, server_round=server_round)
+    else:
+        pool = make_pool(eff, name=name, device=job.device)
+        try:
+            results, info = pool.run(job, data, server_round=server_round)
+        finally:
+            with pool.lock:
+                pool.close()
+    result = site_result(results, info, time.perf_counter() - t0, eff, name=name,
+                         epochs=job.settings.epochs)
+    m = result.metrics
+    _log.info("%s round %d: %d/%d workers (%s, %s), %.2f s train, %.2f s overhead, "
+              "%.2f s exposed comm, %d bytes all-reduced", name, server_round, int(m["workers"]),
+              eff.workers, eff.mode, job.device, m["train_seconds"], m["overhead_seconds"],
+              m["comm_wait_seconds"], int(m["bytes_allreduced"]))
+    return result
+
+
+def site_result(results: list[WorkerResult], info: RoundInfo, wall: float, site: SiteConfig, *,
+                name: str, epochs: int) -> SiteResult:
+    """Check that the workers agree and build the site's update and metrics."""
+    digests = {r.digest for r in results}
+    if len(digests) != 1:
+        raise WorkerError(explain(
+            f"{name}: worker weights", f"{len(digests)} different digests over {len(results)} "
+            "workers", "all workers must end the round with identical weights",
+            "report this as a bug (the all-reduce must give every worker the same sums)"))
+    r0 = results[0]
+    if r0.weights is None:
+        raise WorkerError(f"{name}: worker 0 returned no weights")
+    examples = r0.site_examples if r0.site_examples is not None else sum(
+        r.epoch_examples for r in results)
+    return SiteResult(r0.weights, examples, _metrics(results, info, wall, site, epochs), results)
+
+
+def _metrics(results: list[WorkerResult], info: RoundInfo, wall: float, site: SiteConfig,
+             epochs: int) -> dict[str, float]:
     examples = sum(r.examples for r in results)
     per_epoch = [max(r.epoch_seconds[e] for r in results) for e in range(epochs)
                  if all(len(r.epoch_seconds) > e for r in results)]
     train = max(r.train_seconds for r in results)
     r0 = results[0]
-    return {
+    out = {
         "workers": float(len(results)),
+        "workers_configured": float(site.workers),
+        "workers_lost": float(info.lost),
+        "workers_started": float(info.started),
+        "round_attempts": float(info.attempts),
         "train_loss": sum(r.loss_sum for r in results) / max(examples, 1),
         "steps": float(r0.steps),
         "compute_seconds": max(r.compute_seconds for r in results),
@@ -436,39 +213,54 @@ def _metrics(results: list[WorkerResult], wall: float, epochs: int) -> dict[str,
         "bytes_sent": float(sum(r.bytes_sent for r in results)),
         "allreduce_calls": float(r0.allreduce_calls),
         "buckets": float(r0.buckets),
+        "hidden_buckets": float(r0.hidden_buckets),
+        "copied_params": float(max(r.copied_params for r in results)),
+        "bucket_rebuilds": float(r0.rebuilds),
+        "optimizer_rounds": float(r0.optimizer_rounds),
         "epoch_seconds": float(np.mean(per_epoch)) if per_epoch else train / max(epochs, 1),
         "train_seconds": train,
-        "startup_seconds": max(0.0, wall - train),
+        "startup_seconds": info.startup_seconds,
+        "redo_seconds": info.redo_seconds,
+        "overhead_seconds": max(0.0, wall - train),
         "site_seconds": wall,
     }
+    for alg in ALGORITHM_NAMES:
+        if alg in r0.algorithm.split("+"):
+            out[f"algorithm_{alg}"] = 1.0
+    if r0.auto_choice is not None:
+        out["auto_native"] = 1.0 if r0.auto_choice == "native" else 0.0
+    if r0.probe:
+        out["probe_seconds"] = max(r.probe_seconds for r in results)
+        for cand, seconds in r0.probe.items():
+            label = "native" if cand == "native" else "schedule"
+            out[f"probe_{label}_seconds"] = float(seconds)
+    return out
 
 
-def run_site(job: WorkerJob, site: SiteConfig, *, name: str = "site", server_round: int = 0,
-             data: SiteData | None = None) -> SiteResult:
-    """Train a site for one round: one worker here, or ``site.workers`` as one data-parallel job.
+class SiteRuntime:
+    """One round of a site's K fresh workers (no pool kept): what ``site.persistent = false``
+    runs, kept for benchmarks and scripts.
 
-    Raises
-    ------
-    WorkerError
-        A worker crashed, raised or hung (the ClientApp turns it into Flower's error reply).
+    Parameters
+    ----------
+    site : SiteConfig
+        Workers, mode, reducer options, timeout.
+    name : str
+        Site name for messages and logs.
+    server_round : int
+        Round number for messages.
+    device : str, optional
+        Default :func:`default_device`.
     """
-    if site.workers == 1:
-        t0 = time.perf_counter()
-        job = _with_site(job, site, os.environ.get("FEDAGG_SITE_DEVICE") or "cpu")
-        data = data if data is not None else job.task.data(job.site)
-        comm = InProcessGroup(1, timeout=job.timeout).communicators()[0]
-        r = train_worker(job, comm, data=data)
-        wall = time.perf_counter() - t0
-        assert r.weights is not None
-        size = data.train_size()
-        metrics = {"train_loss": r.loss_sum / max(r.examples, 1), "workers": 1.0,
-                   "steps": float(r.steps), "compute_seconds": r.train_seconds,
-                   "train_seconds": r.train_seconds, "site_seconds": wall}
-        return SiteResult(r.weights, size if size is not None else r.epoch_examples, metrics, [r])
-    runtime = SiteRuntime(site, name=name, server_round=server_round)
-    result = runtime.run(job, data)
-    _log.info("%s round %d: %d workers (%s, %s), %.2f s compute, %.2f s comm, %d bytes all-reduced",
-              name, server_round, site.workers, site.mode, runtime.device,
-              result.metrics["compute_seconds"], result.metrics["comm_seconds"],
-              int(result.metrics["bytes_allreduced"]))
-    return result
+
+    def __init__(self, site: SiteConfig, *, name: str = "site", server_round: int = 0,
+                 device: str | None = None) -> None:
+        self.site = site
+        self.name = name
+        self.server_round = server_round
+        self.device = device or default_device(site)
+
+    def run(self, job: WorkerJob, data: SiteData | None = None) -> SiteResult:
+        """Train the site for one round on fresh workers; see :func:`run_site`."""
+        return run_site(job, self.site.model_copy(update={"persistent": False}), name=self.name,
+                        server_round=self.server_round, data=data, device=self.device)

@@ -59,17 +59,21 @@ from fedagg.task import (
     fetch,
     get_weights,
     global_batches,
-    set_weights,
     to_device,
 )
 
-__all__ = ["JOB_FILE", "WorkerFault", "WorkerJob", "WorkerResult", "main", "train_worker",
+__all__ = ["WorkerFault", "WorkerJob", "WorkerLost", "WorkerResult", "train_worker",
            "weights_digest"]
 
 _log = logging.getLogger(__name__)
 
 Progress = Callable[[str, int], None]
 """``progress(phase, step)``: phase is ``"compute"`` or ``"comm"`` (waiting for peers)."""
+
+
+class WorkerLost(WorkerError):
+    """This worker is gone: an injected crash of an in-process worker (stands for a dead
+    process), handled by the site like a process killed by a signal."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,12 @@ class WorkerFault:
 
 @dataclass
 class WorkerJob:
-    """Everything a worker needs for one round (picklable, no live handles)."""
+    """Everything a worker needs for one round (picklable, no live handles).
+
+    ``keep_optimizer`` keeps a persistent worker's optimizer state across rounds;
+    ``attempt`` > 0 marks a redo of the round after a lost worker (the kept optimizer state
+    is then restored to the start of the round).
+    """
 
     task: Task
     site: SiteInfo
@@ -98,13 +107,17 @@ class WorkerJob:
     fault: WorkerFault | None = None
     device: str = "cpu"
     threads: int | None = None
-    port: int = 0
-    parent_pid: int = 0
+    keep_optimizer: bool = False
+    attempt: int = 0
 
 
 @dataclass
 class WorkerResult:
-    """What one worker reports after the round (rank 0 also carries the weights)."""
+    """What one worker reports after the round (rank 0 also carries the weights).
+
+    The reducer counters (``comm_seconds`` ... ``copied_params``) are this round's; ``probe``
+    is set in the round that ran ``auto``'s probe, ``auto_choice`` whenever ``auto`` decided.
+    """
 
     rank: int
     digest: str
@@ -122,6 +135,18 @@ class WorkerResult:
     buckets: int
     epoch_seconds: list[float] = field(default_factory=list)
     epoch_examples: int = 0
+    world_size: int = 1
+    hidden_buckets: int = 0
+    copied_params: int = 0
+    rebuilds: int = 0
+    algorithm: str = ""
+    probe: dict[str, float] = field(default_factory=dict)
+    probe_seconds: float = 0.0
+    auto_choice: str | None = None
+    setup_seconds: float = 0.0
+    optimizer_rounds: int = 0
+    layout: dict[str, Any] | None = None
+    site_examples: int | None = None
 
 
 def weights_digest(weights: list[npt.NDArray[Any]]) -> str:
@@ -135,8 +160,8 @@ def weights_digest(weights: list[npt.NDArray[Any]]) -> str:
 def _strike(fault: WorkerFault, rank: int, stop: threading.Event | None, in_process: bool) -> None:
     if fault.kind == "kill":
         if in_process:
-            raise WorkerError(f"worker {rank}: injected crash after {fault.step} steps "
-                              "(faults.kill_worker)")
+            raise WorkerLost(f"worker {rank}: injected crash after {fault.step} steps "
+                             "(faults.kill_worker)")
         _log.warning("worker %d: injected SIGKILL after %d steps (faults.kill_worker)", rank, fault.step)
         os.kill(os.getpid(), signal.SIGKILL)
     _log.warning("worker %d: injected hang after %d steps (faults.hang_worker)", rank, fault.step)
@@ -187,6 +212,15 @@ def _shortest(comm: Communicator, length: int, timeout: float) -> int:
     return int(counts.min())
 
 
+def _loader_len(loader: Iterable[Any]) -> int:
+    try:
+        return len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        raise DataError(explain("SiteData.train_loader(rank, world_size)",
+                                type(loader).__name__, "must have a length (len(loader))",
+                                "return a torch DataLoader over a sized dataset")) from None
+
+
 def train_worker(
     job: WorkerJob,
     comm: Communicator,
@@ -195,6 +229,7 @@ def train_worker(
     progress: Progress | None = None,
     stop: threading.Event | None = None,
     in_process: bool = False,
+    state: WorkerState | None = None,
 ) -> WorkerResult:
     """Train this worker's share of every step for ``settings.epochs``; return its result.
 
@@ -206,7 +241,7 @@ def train_worker(
         The site's communicator; ``comm.rank`` is this worker, ``comm.world_size`` is K.
     data : SiteData, optional
         The site's data, when the caller built it already (in-process sites build it once);
-        else ``job.task.data(job.site)`` is called here.
+        else ``job.task.data(job.site)`` is called here (once per ``state``).
     progress : callable, optional
         Called with ``(phase, step)`` whenever the worker starts computing or waiting for its
         peers; the site uses it to tell a hung worker from one waiting on a hung peer.
@@ -214,41 +249,39 @@ def train_worker(
         Set by the site to stop an injected hang (in-process mode).
     in_process : bool
         Whether this worker is a thread of the ClientApp (injected kills raise instead).
+    state : WorkerState, optional
+        A persistent worker's state (model, data, reducer, optimizer state) to reuse and
+        update; without it everything is built here and released at the end. After an
+        exception the caller calls ``state.release_group()`` before the communicator goes.
     """
+    t_setup = time.perf_counter()
+    own = state is None
+    st = state if state is not None else WorkerState()
     rank, k_workers = comm.rank, comm.world_size
     device = torch.device(job.device)
     beat = progress or (lambda phase, step: None)
     task, settings = job.task, job.settings
-    model = task.model()
-    set_weights(model, job.weights)
-    model.to(device)
-    model.train()
-    site_data = data if data is not None else task.data(job.site)
+    model = st.prepare_model(task, job.weights, device)
+    site_data = data if data is not None else st.site_data(task, job.site)
     global_params = [p.detach().clone() for p in model.parameters()]
-    opt = task.make_optimizer(model.parameters(), settings)
+    opt = st.prepare_optimizer(task, model, settings, keep=job.keep_optimizer,
+                               redo=job.attempt > 0)
+    carried = st.optimizer_rounds
     step_fn = task.step()
     reducer = None
     if k_workers > 1:
-        reducer = GradReducer(
-            model.parameters(), comm, algorithm=job.algorithm,
-            bucket_bytes=int(job.bucket_mb * 2**20), overlap=job.overlap,
-            comm_dtype=job.comm_dtype, timeout=job.timeout,
-            comm_hook=task.comm_hook, hook_state=task.hook_state,
-        )
+        reducer = st.reducer(model, comm, hooks=(task.comm_hook, task.hook_state),
+                             algorithm=job.algorithm, bucket_bytes=int(job.bucket_mb * 2**20),
+                             overlap=job.overlap, comm_dtype=job.comm_dtype, timeout=job.timeout)
+    before = dataclasses.replace(reducer.stats) if reducer is not None else ReducerStats()
     m = job.accumulation_steps
     if k_workers == 1 or not in_process:  # dropout & co. reproducible (threads share one RNG)
         torch.manual_seed(settings.seed)
     loader: Iterable[Any] = ()
     loader_steps = 0
     if site_data.train_loader is not None:
-        loader = site_data.train_loader(rank, k_workers)
-        try:
-            mine = len(loader)  # type: ignore[arg-type]
-        except TypeError:
-            raise DataError(explain("SiteData.train_loader(rank, world_size)",
-                                    type(loader).__name__, "must have a length (len(loader))",
-                                    "return a torch DataLoader over a sized dataset")) from None
-        loader_steps = -(-_shortest(comm, mine, job.timeout) // m)
+        loader = st.loader(site_data, rank, k_workers)
+        loader_steps = -(-_shortest(comm, _loader_len(loader), job.timeout) // m)
     steps, examples, loss_sum, epoch_examples = 0, 0, 0.0, 0
     epoch_seconds: list[float] = []
     fault = job.fault if job.fault is not None and job.fault.rank == rank else None
@@ -288,23 +321,33 @@ def train_worker(
             _strike(fault, rank, stop, in_process)
         beat("done", steps)
     finally:
-        if reducer is not None:
-            reducer.close()
+        if own:
+            st.release_group()
     train_seconds = time.perf_counter() - t_start
-    model.to("cpu")
+    st.finish_round(job.keep_optimizer)
+    layout = st.remember_layout()
+    if device.type != "cpu":
+        model.to("cpu")
     weights = get_weights(model)
-    st = reducer.stats if reducer is not None else None
-    wait = st.wait_seconds if st is not None else 0.0
+    stats = reducer.stats if reducer is not None else ReducerStats()
+    wait = stats.wait_seconds - before.wait_seconds
+    choice = layout.get("auto_choice") if layout is not None else None
     return WorkerResult(
         rank=rank, digest=weights_digest(weights), weights=weights if rank == 0 else None,
         examples=examples, loss_sum=loss_sum, steps=steps, train_seconds=train_seconds,
         compute_seconds=max(0.0, train_seconds - wait),
-        comm_seconds=st.comm_seconds if st is not None else 0.0, wait_seconds=wait,
-        bytes_allreduced=st.bytes_allreduced if st is not None else 0,
-        bytes_sent=st.bytes_sent if st is not None else 0,
-        allreduce_calls=st.calls if st is not None else 0,
+        comm_seconds=stats.comm_seconds - before.comm_seconds, wait_seconds=wait,
+        bytes_allreduced=stats.bytes_allreduced - before.bytes_allreduced,
+        bytes_sent=stats.bytes_sent - before.bytes_sent,
+        allreduce_calls=stats.calls - before.calls,
         buckets=reducer.num_buckets if reducer is not None else 0,
-        epoch_seconds=epoch_seconds, epoch_examples=epoch_examples,
+        epoch_seconds=epoch_seconds, epoch_examples=epoch_examples, world_size=k_workers,
+        hidden_buckets=stats.hidden_buckets - before.hidden_buckets,
+        copied_params=stats.copied_params - before.copied_params,
+        rebuilds=stats.rebuilds - before.rebuilds, algorithm=stats.algorithm,
+        probe=dict(stats.probe) if stats.probe_seconds > before.probe_seconds else {},
+        probe_seconds=stats.probe_seconds - before.probe_seconds,
+        auto_choice=choice if job.algorithm == "auto" else None,
+        setup_seconds=t_start - t_setup, optimizer_rounds=carried,
+        layout=layout if rank == 0 else None, site_examples=site_data.train_size(),
     )
-
-

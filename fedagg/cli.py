@@ -16,6 +16,8 @@
     One self-contained HTML page animating the real all-reduce schedules (:mod:`fedagg.viz`).
 ``fedagg report RUN_DIR [-o FILE]``
     The HTML report of a run (``RUN_DIR/report.html``; ``fedagg simulate`` writes it too).
+``fedagg site-workers --socket PATH [--workers K] [--device cpu|cuda] [--token-file FILE]``
+    Serve a deployed site's persistent workers next to its SuperNode (docs/deployment.md).
 ``fedagg --version``
     Print the installed version.
 
@@ -353,6 +355,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="SuperLink certificate validity in days")
     bench = sub.add_parser("bench", help="run a benchmark (extra arguments are passed on)")
     bench.add_argument("what", choices=["allreduce"])
+    sw = sub.add_parser("site-workers", help="serve a deployed site's persistent workers on a "
+                        "local socket (next to its SuperNode; docs/deployment.md)")
+    sw.add_argument("--socket", required=True, metavar="PATH",
+                    help="unix socket to listen on; its directory must be private (0700)")
+    sw.add_argument("--workers", type=int, metavar="K",
+                    help="workers per run (default: the run's site.workers)")
+    sw.add_argument("--device", choices=["cpu", "cuda"],
+                    help="default: cuda when at least K GPUs are visible")
+    sw.add_argument("--token-file", metavar="FILE",
+                    help="shared token (default: a new one in PATH.token, mode 0600)")
+    sw.add_argument("--threads", type=int, metavar="N", help="torch threads per worker")
+    sw.add_argument("--status", action="store_true",
+                    help="print the running service's pools (JSON) and exit")
     _add_viz_args(sub)
     return parser
 
@@ -373,6 +388,21 @@ def _add_viz_args(sub: Any) -> None:
     rep_ = sub.add_parser("report", help="write the HTML report of a run directory")
     rep_.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (holds metrics.json)")
     rep_.add_argument("-o", "--out", metavar="FILE", help="default: RUN_DIR/report.html")
+
+
+def _cmd_site_workers(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    from clients.service import ServiceClient, WorkerService
+
+    if args.status:
+        print(json.dumps(ServiceClient(args.socket, token_file=args.token_file).status(), indent=2))
+        return 0
+    if args.workers is not None and not 1 <= args.workers <= 512:
+        raise ConfigError(explain("--workers", args.workers, "must be in 1..512",
+                                  "pass the number of local workers"))
+    service = WorkerService(args.socket, workers=args.workers, device=args.device,
+                            token_file=args.token_file, threads=args.threads)
+    return service.serve_forever()
 
 
 def _cmd_viz(args: argparse.Namespace) -> int:
@@ -412,6 +442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_viz(args)
         if args.command == "report":
             return _cmd_report(args)
+        if args.command == "site-workers":
+            return _cmd_site_workers(args)
         return _cmd_bench(args, rest)
     except FedaggError as exc:
         print(f"fedagg: error: {exc}", file=sys.stderr)

@@ -213,6 +213,32 @@ class SiteConfig(_Section):
     worker_timeout: float = Field(
         300.0, gt=0, description="Seconds before a silent worker is declared hung."
     )
+    persistent: bool = Field(
+        True,
+        description="Keep the site's workers for the whole run (process group, model, data, "
+        "reducer layout); each round sends only the global weights and the round config. "
+        "False: fresh workers for every train message.",
+    )
+    keep_optimizer: bool = Field(
+        False,
+        description="Persistent workers keep the local optimizer's state (momentum, Adam "
+        "moments) across rounds. Default false: a fresh optimizer every round (Flower's "
+        "convention for local training).",
+    )
+    elastic: bool = Field(
+        True,
+        description="A worker that dies or hangs mid-round does not fail the site: the "
+        "survivors re-form the group and redo the round; the lost worker is replaced from the "
+        "next round. A worker that raises still fails the site.",
+    )
+    min_workers: int = Field(
+        1, ge=1, description="Elastic rounds: fewest surviving workers that may finish a round."
+    )
+    pool_idle_timeout: float = Field(
+        900.0, gt=0,
+        description="Seconds a persistent worker pool may sit unused before its workers are "
+        "stopped (run ended, site no longer sampled).",
+    )
 
 
 class CompressionConfig(_Section):

@@ -1,4 +1,5 @@
-"""A worker that dies or hangs fails the site with a clear WorkerError; nothing is left behind.
+"""With ``site.elastic = false``, a worker that dies or hangs fails the site with a clear
+WorkerError; nothing is left behind (the elastic default: tests/site/test_site_elastic.py).
 
 Real worker processes (gloo on 127.0.0.1) and real threads; faults are injected through the
 run config (``[faults] kill_worker / hang_worker``), i.e. the same path a drill would use.
@@ -18,7 +19,8 @@ from fedagg.errors import WorkerError
 def _fault_settings(mode: str, kind: str, *, server_round: int = 1, timeout: float = 60.0):  # type: ignore[no-untyped-def]
     return settings(
         partition=1, server_round=server_round,
-        site={"workers": 2 if mode == "process" else 3, "mode": mode, "worker_timeout": timeout},
+        site={"workers": 2 if mode == "process" else 3, "mode": mode, "worker_timeout": timeout,
+              "elastic": False},
         faults={f"{kind}_worker": 1, "worker_fault_site": 1, "worker_fault_round": 1,
                 "worker_fault_step": 2},
     )
