@@ -217,8 +217,21 @@ def clean_message(msg: Message, rnd: FedaggRound) -> Message:
 # -- secure-aggregation state -----------------------------------------------------------------
 def _load(context: Context, site: int, params: SecAggParams, *, fresh_ok: bool = False
           ) -> ClientState:
-    """The site's ClientState from ``Context.state`` (a new one when ``fresh_ok`` and none)."""
-    state = ClientState(site, params, random_bytes=os.urandom)
+    """The site's ClientState from ``Context.state`` (a new one when ``fresh_ok`` and none).
+
+    The site's floors on ``t`` and ``k`` come from its own node config
+    (``secagg-threshold-floor``, ``secagg-min-neighbours``; :class:`clients.settings.NodeConfig`),
+    never from the server's message.
+    """
+    from clients.settings import NodeConfig
+
+    floor, min_k = NodeConfig.from_context(context).secagg_floors()
+
+    def new_state() -> ClientState:
+        return ClientState(site, params, random_bytes=os.urandom, threshold_floor=floor,
+                           min_neighbours=min_k)
+
+    state = new_state()
     config = context.state.config_records.get(SECAGG_STATE_CONFIG)
     arrays = context.state.array_records.get(SECAGG_STATE_ARRAYS)
     if config is None or arrays is None:
@@ -232,7 +245,7 @@ def _load(context: Context, site: int, params: SecAggParams, *, fresh_ok: bool =
     except ProtocolError:
         if not fresh_ok:
             raise
-        state = ClientState(site, params, random_bytes=os.urandom)  # new run or new index
+        state = new_state()  # new run or new index
     return state
 
 

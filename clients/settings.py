@@ -10,7 +10,8 @@ Sources, later ones win:
    ``local-epochs`` / ``local_epochs`` -> ``train.local_epochs``, ``batch-size`` /
    ``batch_size`` -> ``train.batch_size``, ``momentum`` -> ``train.momentum``;
 4. the SuperNode's ``node_config`` for the site keys an operator sets (``workers``, ``mode``,
-   ``algorithm``, ``data-path``, ``site-name``; :class:`NodeConfig`).
+   ``algorithm``, ``data-path``, ``site-name``, the secure-aggregation floors
+   ``secagg-threshold-floor`` / ``secagg-min-neighbours``; :class:`NodeConfig`).
 
 Every other key (Flower FedProx's ``proximal-mu``, client-side DP's ``clipping_norm``, a
 user's own) is not an error: it reaches the user's training step unchanged in
@@ -34,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fedagg.config import RunConfig, unflatten, validate_model
 from fedagg.errors import ConfigError, explain
+from fedagg.secagg.params import DEFAULT_MIN_NEIGHBOURS, DEFAULT_THRESHOLD_FLOOR
 from fedagg.task import SiteInfo, TrainSettings
 
 __all__ = ["ALIASES", "NodeConfig", "SiteSettings"]
@@ -71,6 +73,37 @@ class NodeConfig(BaseModel):
     algorithm: Literal["auto", "ring", "tree", "hierarchical", "native"] | None = Field(None, description="All-reduce algorithm (overrides site.algorithm).")
     worker_service: str | None = Field(None, description="Socket of the site's worker service (`fedagg site-workers --socket PATH`): the site trains on its persistent workers.")
     worker_service_token: str | None = Field(None, description="Token file of the worker service (default: the socket path + '.token').")
+    secagg_threshold_floor: float | None = Field(
+        None, ge=0, lt=1,
+        description="Secure aggregation: this site refuses a setup whose threshold t is not "
+        "above this fraction of its k neighbours (default 0.5: t > k/2; 0 turns the protection "
+        "off). The site's own setting: never taken from the server.")
+    secagg_min_neighbours: int | None = Field(
+        None, ge=1,
+        description="Secure aggregation: this site refuses a neighbour graph of degree "
+        "k < min(this, N - 1) (default 3). The site's own setting: never taken from the server.")
+
+    @classmethod
+    def from_context(cls, context: Context) -> NodeConfig:
+        """The SuperNode's node config of ``context``, validated (dashes or underscores).
+
+        Raises
+        ------
+        ConfigError
+            A fedagg key with a bad value (names the node and the field).
+        """
+        raw = {str(k).replace("-", "_"): v for k, v in dict(context.node_config).items()}
+        node: NodeConfig = validate_model(cls, raw,
+                                          prefix=f"node {context.node_id}: node_config.")
+        return node
+
+    def secagg_floors(self) -> tuple[float, int]:
+        """``(threshold_floor, min_neighbours)`` this site enforces on the server's SecAgg+
+        parameters (:class:`fedagg.secagg.ClientState`; docs/protocols/secagg.md section 4)."""
+        return (DEFAULT_THRESHOLD_FLOOR if self.secagg_threshold_floor is None
+                else float(self.secagg_threshold_floor),
+                DEFAULT_MIN_NEIGHBOURS if self.secagg_min_neighbours is None
+                else int(self.secagg_min_neighbours))
 
 
 def _fedagg_key(key: str) -> bool:

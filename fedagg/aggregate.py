@@ -9,11 +9,17 @@
 * :class:`ServerOptimizer` — FedOpt (Reddi et al. 2021, "Adaptive Federated Optimization",
   Algorithm 2): the aggregated delta is treated as a pseudo-gradient and applied with SGD,
   SGD with momentum (FedAvgM, Hsu et al. 2019) or Adam (FedAdam).
+* :class:`UpdateGuards`, :func:`cap_weights`, :func:`norm_outliers`, :func:`model_change_problem`
+  — the round-level robustness bounds (docs/reliability.md): a site's weight is capped at a
+  multiple of the round's median weight, an update whose delta norm is far above the round's
+  median is refused (a norm bomb), and a new global model is committed only when it is finite
+  and within the configured distance of the old one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -21,10 +27,15 @@ import numpy.typing as npt
 from fedagg.errors import ConfigError, UpdateRejected, explain
 
 __all__ = [
+    "MEDIAN_MIN_UPDATES",
     "ServerOptimizer",
+    "UpdateGuards",
+    "cap_weights",
     "cast_update",
     "check_update",
     "global_norm",
+    "model_change_problem",
+    "norm_outliers",
     "subtract",
     "weighted_mean",
 ]
@@ -77,6 +88,9 @@ def weighted_mean(
                 "weight each site by its number of examples",
             )
         )
+    # scale by the largest weight first: weights up to ~1.8e308 sum without overflow (two
+    # sites reporting 1e308 examples must not turn the mean into 0 * x)
+    w = w / w.max()
     w = w / w.sum()
     out: Arrays = []
     for j, ref in enumerate(updates[0]):
@@ -87,7 +101,8 @@ def weighted_mean(
             # w_i * x_i computed straight into a float64 buffer: no per-site temporaries
             np.multiply(site[j], w[i], out=tmp, dtype=np.float64)
             acc += tmp
-        out.append(acc.astype(np.asarray(ref).dtype, copy=False))
+        with np.errstate(over="ignore"):  # overflow to inf is caught by the model check
+            out.append(acc.astype(np.asarray(ref).dtype, copy=False))
     return out
 
 
@@ -222,6 +237,116 @@ def check_update(
             )
 
 
+MEDIAN_MIN_UPDATES = 3
+"""Fewest updates in a round for the median-relative guards to apply (with two, the median is
+their mean, and one site could not be told from the other)."""
+
+
+@dataclass(frozen=True)
+class UpdateGuards:
+    """Round-level robustness bounds on the site updates of one round (plain arguments).
+
+    Parameters
+    ----------
+    max_weight : float, optional
+        A site reporting a larger weight (``num-examples``) is refused.
+    max_weight_ratio : float
+        A weight above ``max_weight_ratio`` x the round's median weight is lowered to that
+        cap before averaging (0: off). Bounds how far one site that over-reports its examples
+        can pull the mean: with ``n`` sites at most ``r / (r + n - 1)`` of the way.
+    norm_outlier_factor : float
+        An update whose delta L2 norm is above ``norm_outlier_factor`` x the round's median
+        delta norm is refused (a "norm bomb"; 0: off).
+    max_model_change : float, optional
+        The new global model is committed only within this L2 distance of the old one.
+
+    The median-relative guards need at least :data:`MEDIAN_MIN_UPDATES` updates in the round
+    and cannot act on a secure aggregate (one sum, no single update is seen).
+    """
+
+    max_weight: float | None = None
+    max_weight_ratio: float = 10.0
+    norm_outlier_factor: float = 10.0
+    max_model_change: float | None = None
+
+
+def cap_weights(
+    weights: Sequence[float], max_ratio: float
+) -> tuple[npt.NDArray[np.float64], list[int]]:
+    """Weights with each one above ``max_ratio`` x their median lowered to that cap.
+
+    Parameters
+    ----------
+    weights : sequence of float
+        Finite positive weights, one per update.
+    max_ratio : float
+        The cap as a multiple of the median; ``<= 0`` leaves the weights as they are, and so
+        do fewer than :data:`MEDIAN_MIN_UPDATES` weights.
+
+    Returns
+    -------
+    (ndarray, list of int)
+        The (capped) weights in float64 and the positions that were capped.
+    """
+    w = np.asarray(weights, dtype=np.float64).reshape(-1)
+    if max_ratio <= 0 or w.size < MEDIAN_MIN_UPDATES:
+        return w, []
+    cap = float(np.median(w)) * float(max_ratio)
+    if not np.isfinite(cap):
+        return w, []
+    over = [int(i) for i in np.flatnonzero(w > cap)]
+    if over:
+        w = np.minimum(w, cap)
+    return w, over
+
+
+def norm_outliers(norms: Sequence[float], factor: float) -> list[int]:
+    """Positions of the norms above ``factor`` x the median norm (the norm-bomb guard).
+
+    Nothing is flagged with ``factor <= 0``, with fewer than :data:`MEDIAN_MIN_UPDATES` norms,
+    or when the median is 0 and the norm is too (a round of empty updates). A non-finite norm is
+    always flagged.
+    """
+    n = np.asarray(norms, dtype=np.float64).reshape(-1)
+    bad = [int(i) for i in np.flatnonzero(~np.isfinite(n))]
+    if factor <= 0 or n.size < MEDIAN_MIN_UPDATES:
+        return bad
+    finite = n[np.isfinite(n)]
+    limit = float(np.median(finite)) * float(factor) if finite.size else 0.0
+    return sorted(set(bad) | {int(i) for i in np.flatnonzero(np.isfinite(n) & (n > limit))})
+
+
+def model_change_problem(
+    new: Sequence[npt.NDArray[np.generic]],
+    old: Sequence[npt.NDArray[np.generic]],
+    *,
+    max_change: float | None = None,
+) -> str:
+    """Why ``new`` must not replace the global model ``old`` ('' when it may).
+
+    The model-integrity backstop: every float tensor finite, same count and shapes, and (when
+    ``max_change`` is set) ``||new - old||_2 <= max_change``.
+    """
+    if len(new) != len(old):
+        return f"the new model has {len(new)} tensors, the global model {len(old)}"
+    change = 0.0
+    for j, (a, b) in enumerate(zip(new, old, strict=True)):
+        x, y = np.asarray(a), np.asarray(b)
+        if x.shape != y.shape:
+            return f"tensor {j} of the new model has shape {x.shape}, not {y.shape}"
+        if np.issubdtype(x.dtype, np.floating) and not np.isfinite(np.sum(x, dtype=np.float64)):
+            return f"tensor {j} of the new model is not finite (NaN / Inf)"
+        if max_change is not None and np.issubdtype(x.dtype, np.number):
+            d = x.astype(np.float64) - y.astype(np.float64)
+            change += float(np.dot(d.reshape(-1), d.reshape(-1)))
+    if max_change is not None:
+        norm = float(np.sqrt(change))
+        if not norm <= max_change:
+            return (f"the new model is {norm:.6g} (L2) from the old one, above "
+                    f"strategy.max_model_change = {max_change}")
+    return ""
+
+
 class ServerOptimizer:
     """Apply an aggregated delta to the global model (FedOpt, Reddi et al. 2021).
 
@@ -264,9 +389,28 @@ class ServerOptimizer:
     def step(
         self, weights: Sequence[npt.NDArray[np.floating]], delta: Sequence[npt.NDArray[np.floating]]
     ) -> Arrays:
-        """Return the new global model ``weights (+) delta`` (inputs are not modified)."""
+        """Return the new global model ``weights (+) delta`` (inputs are not modified).
+
+        The optimizer's state advances; :meth:`snapshot` / :meth:`restore` undo a step whose
+        model is then refused.
+
+        Raises
+        ------
+        ConfigError
+            The stored moments do not have the delta's shapes (a state of another model).
+        """
         w = [np.asarray(x) for x in weights]
         d: Arrays = [np.asarray(x, dtype=np.float64) for x in delta]
+        for name, moments in (("m", self._m), ("v", self._v)):
+            if moments is not None and [np.shape(x) for x in moments] != [x.shape for x in d]:
+                raise ConfigError(
+                    explain(
+                        f"server_optimizer state.{name}",
+                        [np.shape(x) for x in moments][:3],
+                        f"must have the model's shapes {[x.shape for x in d][:3]}",
+                        "resume with the model the state was saved for, or start a new run",
+                    )
+                )
         self._t += 1
         if self.kind == "none":
             upd = d
@@ -288,7 +432,17 @@ class ServerOptimizer:
             ]
             self._m, self._v = m1, v1
             upd = [self.lr * m / (np.sqrt(v) + self.eps) for m, v in zip(m1, v1, strict=True)]
-        return [(x + u).astype(x.dtype, copy=False) for x, u in zip(w, upd, strict=True)]
+        with np.errstate(over="ignore", invalid="ignore"):  # caught by the model check
+            return [(x + u).astype(x.dtype, copy=False) for x, u in zip(w, upd, strict=True)]
+
+    def snapshot(self) -> tuple[int, Arrays | None, Arrays | None]:
+        """The state as it is now, for :meth:`restore` (no copies: :meth:`step` never modifies
+        arrays in place)."""
+        return self._t, self._m, self._v
+
+    def restore(self, snap: tuple[int, Arrays | None, Arrays | None]) -> None:
+        """Undo the steps since :meth:`snapshot` (a refused model leaves no trace)."""
+        self._t, self._m, self._v = snap
 
     def state_dict(self) -> dict[str, object]:
         """Plain-data state (arrays and ints) for checkpoints."""
@@ -310,7 +464,32 @@ class ServerOptimizer:
                     "resume with the same strategy.server_optimizer",
                 )
             )
-        self._t = int(state["t"])  # type: ignore[call-overload]
-        m, v = state.get("m"), state.get("v")
-        self._m = [np.asarray(x) for x in m] if isinstance(m, list) else None
-        self._v = [np.asarray(x) for x in v] if isinstance(v, list) else None
+        t = state.get("t")
+        if isinstance(t, bool) or not isinstance(t, int | np.integer) or not 0 <= t < 2**62:
+            raise ConfigError(
+                explain("server_optimizer state.t", t, "must be an int >= 0",
+                        "resume from an intact checkpoint")
+            )
+        moments: dict[str, Arrays | None] = {}
+        for name in ("m", "v"):
+            value = state.get(name)
+            if value is None:
+                moments[name] = None
+                continue
+            if not isinstance(value, list) or not all(
+                isinstance(x, np.ndarray) and np.issubdtype(x.dtype, np.floating)
+                and bool(np.all(np.isfinite(x))) for x in value
+            ):
+                raise ConfigError(
+                    explain(f"server_optimizer state.{name}", type(value).__name__,
+                            "must be a list of finite float arrays (or None)",
+                            "resume from an intact checkpoint")
+                )
+            moments[name] = [np.asarray(x, dtype=np.float64) for x in value]
+        if moments["v"] is not None and any(bool(np.any(x < 0)) for x in moments["v"]):
+            raise ConfigError(
+                explain("server_optimizer state.v", "negative entries",
+                        "second moments must be >= 0", "resume from an intact checkpoint")
+            )
+        self._t = int(t)
+        self._m, self._v = moments["m"], moments["v"]

@@ -45,7 +45,7 @@ from fedagg.config import (
     reference_markdown,
     validate_model,
 )
-from fedagg.errors import ConfigError, FedaggError, explain
+from fedagg.errors import CheckpointError, ConfigError, FedaggError, explain
 from fedagg.viz.console import ProcessWatch
 
 __all__ = ["main"]
@@ -83,7 +83,15 @@ def _resume_config(args: argparse.Namespace, extra: Sequence[str]) -> RunConfig:
     if not saved.is_file():
         raise ConfigError(explain("--resume", str(run_dir), "holds no config.json",
                                   "point --resume at a run directory written by fedagg simulate"))
-    data = json.loads(saved.read_text())
+    try:
+        data = json.loads(saved.read_text())
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(explain(str(saved), type(exc).__name__,
+                                      "must be the run's config (a JSON object written by "
+                                      "fedagg simulate)",
+                                      "restore it from a backup, or pass --config")) from None
     data = apply_overrides(data, [*args.overrides, *extra, f"run.resume={json.dumps(str(run_dir))}"])
     cfg: RunConfig = validate_model(RunConfig, data)
     return cfg
@@ -110,6 +118,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from server.preflight import preflight
 
     preflight(cfg)  # what would fail in round 1 fails here, before the engine starts
+    if args.resume:  # a refused resume: exit 2 before the engine starts, nothing written
+        from server.runner import check_resume
+
+        check_resume(cfg)
     os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     from rich.console import Console

@@ -182,11 +182,45 @@ class StrategyConfig(_Section):
     max_update_norm: float | None = Field(
         None, gt=0, description="Reject site updates whose delta L2 norm exceeds this."
     )
+    max_weight: float | None = Field(
+        None, gt=0,
+        description="Reject site replies whose weight (num-examples) exceeds this; None = no "
+        "absolute bound (max_weight_ratio still caps each weight).",
+    )
+    max_weight_ratio: float = Field(
+        10.0, ge=0,
+        description="Cap each site's weight at this multiple of the round's median weight "
+        "before averaging (one site over-reporting its examples pulls the mean at most "
+        "r / (r + n - 1) of the way); needs >= 3 replies; 0 = off.",
+    )
+    norm_outlier_factor: float = Field(
+        10.0, ge=0,
+        description="Norm-bomb guard: reject site updates whose delta L2 norm exceeds this "
+        "multiple of the round's median delta norm; needs >= 3 updates (not per site under "
+        "secure aggregation, where sites clip to secagg.clip); 0 = off.",
+    )
+    max_model_change: float | None = Field(
+        None, gt=0,
+        description="Commit a new global model only if its L2 distance from the old one is at "
+        "most this (any strategy, also the secure aggregate); None = only the finite check.",
+    )
     options: dict[str, Any] = Field(
         default_factory=dict,
         description="Options of the strategy: a plugin's (validated by its config model) or "
         "the keyword arguments of a Flower strategy (validated against its signature).",
     )
+
+
+    @model_validator(mode="after")
+    def _check_guards(self) -> StrategyConfig:
+        for name in ("max_weight_ratio", "norm_outlier_factor"):
+            value = getattr(self, name)
+            if 0 < value <= 1:
+                raise ValueError(
+                    f"strategy.{name} ({value}) must be 0 (off) or > 1: a bound at or below the "
+                    "median would refuse or cap half of the honest sites; use e.g. 10"
+                )
+        return self
 
 
 class SiteConfig(_Section):
@@ -305,6 +339,12 @@ class SecAggConfig(_Section):
         "$FEDAGG_SECAGG_THREADS if set, else one per CPU (at most 4); 1 = none. Sites use "
         "$FEDAGG_SECAGG_THREADS or one per CPU (at most 4). Results are bit-identical for any "
         "value.",
+    )
+    exclude_blamed: bool = Field(
+        True,
+        description="Leave a site out of the run's later rounds once its own relayed shares "
+        "made a round abort (ServerState.blamed_sites; docs/protocols/secagg.md, section 6); "
+        "false = it is re-keyed and may take part again.",
     )
 
     @model_validator(mode="after")

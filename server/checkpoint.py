@@ -6,11 +6,19 @@ A checkpoint is one ``.npz`` file (no pickle: ``np.load(..., allow_pickle=False)
   full effective config, the model's tensor names, the metrics records so far, the strategy
   state (with arrays replaced by references), numpy / python RNG states;
 * ``a<i>``: the arrays: the global model, then every array inside the strategy state
-  (server-optimizer moments, ...), then the torch RNG state.
+  (server-optimizer moments, ...); ``numpy_rng_keys`` and ``torch_rng``: the RNG states;
+* ``digest``: SHA-256 over every other member (name, dtype, shape, bytes, in name order).
 
 It is written by :func:`fedagg.report.atomic_write_bytes` (temporary file, fsync, rename, fsync
 of the directory), so after a crash at any point — even in the middle of the write — the file
 on disk is either the previous complete checkpoint or the new complete one.
+
+:func:`load_checkpoint` reads it without side effects and refuses anything damaged, truncated,
+empty or tampered with :class:`~fedagg.errors.CheckpointError` naming the file and the field
+(``fedagg simulate --resume`` exits with status 2, never a traceback): the digest must match,
+and every value is validated (finite model of the config's tensor names, dtypes and shapes,
+``round >= 0``, records, strategy state, well-formed RNG states). The RNG states are applied
+only by :meth:`Checkpoint.restore_rng`, after the whole resume has been accepted.
 
 Site-side state (error-feedback residuals, secure-aggregation keys) is not here: it lives on
 the sites, in Flower's ``Context.state`` (see docs/reliability.md).
@@ -19,13 +27,16 @@ the sites, in Flower's ``Context.state`` (see docs/reliability.md).
 from __future__ import annotations
 
 import base64
+import binascii
+import hashlib
 import io
 import json
+import math
 import os
 import random
 import signal
-import zipfile
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,17 +47,20 @@ from fedagg.config import RunConfig, config_hash, flatten
 from fedagg.errors import CheckpointError, explain
 from fedagg.report import atomic_write_bytes
 
-__all__ = ["CHECKPOINT_NAME", "Checkpoint", "config_diff", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CHECKPOINT_NAME", "FORMAT_VERSION", "Checkpoint", "config_diff", "load_checkpoint",
+           "save_checkpoint"]
 
 CHECKPOINT_NAME = "checkpoint.npz"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: a ``digest`` member and validated values; 1 (before issue 17) is refused."""
 # Test hook: SIGKILL this process half-way through writing the checkpoint of this round.
 _CRASH_ENV = "FEDAGG_TEST_KILL_IN_CHECKPOINT_ROUND"
+_FIX = "restore the run directory from a backup, or start a new run"
 
 
 @dataclass
 class Checkpoint:
-    """What :func:`load_checkpoint` returns."""
+    """What :func:`load_checkpoint` returns (validated; nothing applied yet)."""
 
     round: int
     config_hash: str
@@ -55,6 +69,24 @@ class Checkpoint:
     arrays: list[np.ndarray]
     records: list[dict[str, Any]]
     strategy_state: dict[str, Any] | None
+    numpy_rng: tuple[Any, ...] | None = None
+    python_rng: tuple[Any, ...] | None = None
+    torch_rng: np.ndarray | None = field(default=None, repr=False)
+    path: Path | None = None
+
+    def check_model(self, keys: Sequence[str], arrays: Sequence[np.ndarray]) -> None:
+        """CheckpointError unless the saved model has these tensor names, dtypes and shapes."""
+        _same_model(_Reader(self.path or Path(CHECKPOINT_NAME)), self.keys, self.arrays,
+                    (keys, arrays))
+
+    def restore_rng(self) -> None:
+        """Set numpy's, Python's and torch's global RNG states to the saved ones."""
+        if self.numpy_rng is not None:
+            np.random.set_state(self.numpy_rng)
+        if self.python_rng is not None:
+            random.setstate(self.python_rng)
+        if self.torch_rng is not None:
+            torch.set_rng_state(torch.from_numpy(self.torch_rng.copy()))
 
 
 def _encode(obj: Any, arrays: list[np.ndarray]) -> Any:
@@ -82,17 +114,87 @@ def _encode(obj: Any, arrays: list[np.ndarray]) -> Any:
     )
 
 
-def _decode(obj: Any, arrays: dict[int, np.ndarray]) -> Any:
-    if isinstance(obj, dict):
-        if "__array__" in obj:
-            return arrays[int(obj["__array__"])]
-        if "__bytes__" in obj:
-            return base64.b64decode(obj["__bytes__"])
-        if "__dict__" in obj:
-            return {_decode(k, arrays): _decode(v, arrays) for k, v in obj["__dict__"]}
-    if isinstance(obj, list):
-        return [_decode(v, arrays) for v in obj]
-    return obj
+class _Reader:
+    """Validation helpers that name the file and the field in every error."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def fail(self, name: str, value: object, rule: str, fix: str = _FIX) -> CheckpointError:
+        return CheckpointError(explain(f"{self.path}[{name}]", value, rule, fix))
+
+    def int_in(self, name: str, value: object, lo: int, hi: int) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise self.fail(name, value, f"must be an int in [{lo}, {hi}]")
+        return value
+
+    def decode(self, obj: Any, arrays: dict[int, np.ndarray], name: str, depth: int = 0) -> Any:
+        """Inverse of :func:`_encode`, refusing anything it never writes."""
+        if depth > 64:
+            raise self.fail(name, "...", "is nested too deeply")
+        if isinstance(obj, dict):
+            if set(obj) == {"__array__"}:
+                i = self.int_in(f"{name}.__array__", obj["__array__"], 0, len(arrays) - 1)
+                return arrays[i]
+            if set(obj) == {"__bytes__"} and isinstance(obj["__bytes__"], str):
+                try:
+                    return base64.b64decode(obj["__bytes__"], validate=True)
+                except (binascii.Error, ValueError):
+                    raise self.fail(name, "__bytes__", "must be base64") from None
+            if set(obj) == {"__dict__"} and isinstance(obj["__dict__"], list):
+                out: dict[Any, Any] = {}
+                for pair in obj["__dict__"]:
+                    if not isinstance(pair, list) or len(pair) != 2:
+                        raise self.fail(name, pair, "dict items must be [key, value] pairs")
+                    key = self.decode(pair[0], arrays, name, depth + 1)
+                    if not isinstance(key, str | int | float | bool | bytes) and key is not None:
+                        raise self.fail(name, type(key).__name__, "dict keys must be scalars")
+                    out[key] = self.decode(pair[1], arrays, f"{name}.{key!r}", depth + 1)
+                return out
+            raise self.fail(name, sorted(obj)[:3], "is not a value fedagg writes")
+        if isinstance(obj, list):
+            return [self.decode(v, arrays, name, depth + 1) for v in obj]
+        if isinstance(obj, float) and not math.isfinite(obj):
+            raise self.fail(name, obj, "must be finite")
+        return obj
+
+    def finite(self, name: str, a: np.ndarray) -> None:
+        if a.dtype.kind not in "biuf":
+            raise self.fail(name, str(a.dtype), "must be a numeric array")
+        if a.dtype.kind == "f" and not bool(np.isfinite(a).all()):
+            bad = int(a.size - np.count_nonzero(np.isfinite(a)))
+            raise self.fail(name, f"{bad} non-finite values", "must be finite (no NaN / Inf)")
+
+
+def _digest(members: dict[str, np.ndarray]) -> bytes:
+    """SHA-256 over every member but ``digest``: name, dtype, shape and bytes, in name order."""
+    h = hashlib.sha256(b"fedagg-checkpoint/v2")
+    for name in sorted(members):
+        if name == "digest":
+            continue
+        a = np.ascontiguousarray(members[name])
+        for part in (name, a.dtype.str, repr(tuple(a.shape))):
+            h.update(part.encode())
+            h.update(b"\0")
+        h.update(a.tobytes())
+    return h.digest()
+
+
+def _write(path: Path, payload: dict[str, np.ndarray], *, crash_round: int | None = None
+           ) -> Path:
+    payload = {**payload, "digest": np.frombuffer(_digest(payload), dtype=np.uint8)}
+    buf = io.BytesIO()
+    np.savez(buf, **payload)  # type: ignore[arg-type]
+    data = buf.getvalue()
+    if crash_round is not None and os.environ.get(_CRASH_ENV) == str(crash_round):
+        tmp = path.with_name(f".{path.name}.crash-test")
+        with open(tmp, "wb") as fh:  # half a file on disk, then die before the rename
+            fh.write(data[: len(data) // 2])
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.kill(os.getpid(), signal.SIGKILL)
+    atomic_write_bytes(path, data)
+    return path
 
 
 def save_checkpoint(
@@ -122,86 +224,194 @@ def save_checkpoint(
         "numpy_rng": [np_state[0], int(np_state[2]), int(np_state[3]), float(np_state[4])],
         "python_rng": _encode(random.getstate(), extra),
     }
-    payload: dict[str, Any] = {}
+    payload: dict[str, np.ndarray] = {}
     for i, a in enumerate([*arrays, *extra]):
         payload[f"a{i}"] = np.asarray(a)
     payload["numpy_rng_keys"] = np.asarray(np_state[1])
     payload["torch_rng"] = torch.get_rng_state().numpy()
     payload["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
-    buf = io.BytesIO()
-    np.savez(buf, **payload)
-    data = buf.getvalue()
-    path = Path(run_dir) / CHECKPOINT_NAME
-    if os.environ.get(_CRASH_ENV) == str(round):
-        tmp = path.with_name(f".{path.name}.crash-test")
-        with open(tmp, "wb") as fh:  # half a file on disk, then die before the rename
-            fh.write(data[: len(data) // 2])
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.kill(os.getpid(), signal.SIGKILL)
-    atomic_write_bytes(path, data)
-    return path
+    return _write(Path(run_dir) / CHECKPOINT_NAME, payload, crash_round=round)
 
 
-def load_checkpoint(run_dir: str | Path) -> Checkpoint:
-    """Read ``run_dir/checkpoint.npz``.
-
-    Raises
-    ------
-    CheckpointError
-        Missing, truncated or foreign file.
-    """
-    path = Path(run_dir) / CHECKPOINT_NAME
+def _read_members(path: Path, rd: _Reader) -> dict[str, np.ndarray]:
     if not path.is_file():
         raise CheckpointError(
             explain(
                 "--resume",
-                str(run_dir),
+                str(path.parent),
                 f"holds no {CHECKPOINT_NAME}",
                 "point --resume at a run directory written by fedagg",
             )
         )
+    if path.stat().st_size == 0:
+        raise rd.fail("file", "0 bytes", "is empty")
+    members: dict[str, np.ndarray] = {}
+    name = "file"
     try:
         with np.load(path, allow_pickle=False) as npz:
-            meta = json.loads(bytes(npz["meta"]).decode())
-            n_model, n_state = int(meta["num_model_arrays"]), int(meta["num_state_arrays"])
-            arrays = [npz[f"a{i}"] for i in range(n_model)]
-            extra = {i: npz[f"a{n_model + i}"] for i in range(n_state)}
-            np_keys = npz["numpy_rng_keys"]
-            torch_rng = npz["torch_rng"]
-    except (OSError, KeyError, ValueError, zipfile.BadZipFile, json.JSONDecodeError) as exc:
-        raise CheckpointError(
-            explain(
-                "checkpoint",
-                str(path),
-                f"is unreadable ({type(exc).__name__})",
-                "restore it from a backup, or start a new run",
-            )
-        ) from None
+            if not hasattr(npz, "files"):
+                raise rd.fail("file", type(npz).__name__, "must be an .npz archive")
+            for name in npz.files:
+                members[name] = npz[name]
+    except CheckpointError:
+        raise
+    except Exception as exc:  # a truncated or damaged archive fails in zipfile, zlib, numpy
+        raise rd.fail(name, type(exc).__name__, "is unreadable (truncated or damaged)") from None
+    return members
+
+
+def load_checkpoint(
+    run_dir: str | Path, *, model: tuple[Sequence[str], Sequence[np.ndarray]] | None = None
+) -> Checkpoint:
+    """Read and validate ``run_dir/checkpoint.npz`` (no side effects).
+
+    Parameters
+    ----------
+    run_dir : path
+        The run directory.
+    model : (keys, arrays), optional
+        The config's model: the checkpoint's tensor names, dtypes and shapes must equal it.
+
+    Raises
+    ------
+    CheckpointError
+        Missing, empty, truncated, damaged (digest), foreign or tampered file, naming the file
+        and the field.
+    """
+    path = Path(run_dir) / CHECKPOINT_NAME
+    rd = _Reader(path)
+    members = _read_members(path, rd)
+    digest = members.get("digest")
+    if digest is None or digest.dtype != np.uint8 or digest.shape != (32,):
+        raise rd.fail("digest", None if digest is None else str(digest.dtype),
+                      "must be the 32-byte SHA-256 of the content (a fedagg >= 0.2 checkpoint)")
+    if digest.tobytes() != _digest(members):
+        raise rd.fail("digest", digest.tobytes().hex()[:16] + "...",
+                      "does not match the content (damaged or modified)")
+    raw = members.get("meta")
+    try:
+        if raw is None or raw.dtype != np.uint8 or raw.ndim != 1:
+            raise ValueError
+        meta = json.loads(raw.tobytes().decode())
+        if not isinstance(meta, dict):
+            raise ValueError
+    except (ValueError, UnicodeDecodeError):
+        raise rd.fail("meta", "...", "must be UTF-8 JSON of an object") from None
     if meta.get("version") != FORMAT_VERSION:
-        raise CheckpointError(
-            explain(
-                "checkpoint.version",
-                meta.get("version"),
-                f"must be {FORMAT_VERSION}",
-                "resume with the fedagg version that wrote it",
-            )
-        )
-    rng = meta["numpy_rng"]
-    np.random.set_state((rng[0], np_keys, rng[1], rng[2], rng[3]))
-    torch.set_rng_state(torch.from_numpy(torch_rng.copy()))
-    py = _decode(meta["python_rng"], extra)
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    state = _decode(meta["strategy_state"], extra) if meta["strategy_state"] is not None else None
+        raise rd.fail("meta.version", meta.get("version"), f"must be {FORMAT_VERSION}",
+                      "resume with the fedagg version that wrote it")
+    rnd = rd.int_in("meta.round", meta.get("round"), 0, 10**9)
+    chash, config, keys = meta.get("config_hash"), meta.get("config"), meta.get("keys")
+    if not isinstance(chash, str):
+        raise rd.fail("meta.config_hash", chash, "must be a string")
+    if not isinstance(config, dict):
+        raise rd.fail("meta.config", type(config).__name__, "must be an object")
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise rd.fail("meta.keys", type(keys).__name__, "must be a list of tensor names")
+    records = _records(rd, meta.get("records"), rnd)
+    n_model = rd.int_in("meta.num_model_arrays", meta.get("num_model_arrays"), 0, 10**6)
+    n_state = rd.int_in("meta.num_state_arrays", meta.get("num_state_arrays"), 0, 10**6)
+    if n_model != len(keys):
+        raise rd.fail("meta.num_model_arrays", n_model, f"must equal len(keys) = {len(keys)}")
+    arrays: list[np.ndarray] = []
+    for i in range(n_model + n_state):
+        if f"a{i}" not in members:
+            raise rd.fail(f"a{i}", "missing", f"{n_model + n_state} arrays are announced")
+        arrays.append(members[f"a{i}"])
+    for i, a in enumerate(arrays):
+        rd.finite(f"a{i}" + (f" (model tensor {keys[i]!r})" if i < n_model else " (state)"), a)
+    model_arrays, state_arrays = arrays[:n_model], dict(enumerate(arrays[n_model:]))
+    if model is not None:
+        _same_model(rd, keys, model_arrays, model)
+    state = meta.get("strategy_state")
+    if state is not None:
+        state = rd.decode(state, state_arrays, "meta.strategy_state")
+        if not isinstance(state, dict):
+            raise rd.fail("meta.strategy_state", type(state).__name__, "must be an object")
     return Checkpoint(
-        round=int(meta["round"]),
-        config_hash=meta["config_hash"],
-        config=meta["config"],
-        keys=list(meta["keys"]),
-        arrays=arrays,
-        records=list(meta["records"]),
-        strategy_state=state,
+        round=rnd, config_hash=chash, config=config, keys=list(keys), arrays=model_arrays,
+        records=records, strategy_state=state,
+        numpy_rng=_numpy_rng(rd, meta.get("numpy_rng"), members.get("numpy_rng_keys")),
+        python_rng=_python_rng(rd, rd.decode(meta.get("python_rng"), state_arrays,
+                                             "meta.python_rng")),
+        torch_rng=_torch_rng(rd, members.get("torch_rng")), path=path,
     )
+
+
+def _records(rd: _Reader, records: Any, rnd: int) -> list[dict[str, Any]]:
+    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+        raise rd.fail("meta.records", type(records).__name__, "must be a list of objects")
+    last = -1
+    for i, r in enumerate(records):
+        got = r.get("round")
+        if isinstance(got, bool) or not isinstance(got, int) or not last < got <= rnd:
+            raise rd.fail(f"meta.records[{i}].round", got,
+                          f"must be an int increasing from 0 to the checkpoint's round {rnd}")
+        last = got
+    return list(records)
+
+
+def _same_model(rd: _Reader, keys: list[str], arrays: list[np.ndarray],
+                model: tuple[Sequence[str], Sequence[np.ndarray]]) -> None:
+    want_keys, want = list(model[0]), list(model[1])
+    if keys != want_keys:
+        raise rd.fail("meta.keys", keys[:3], f"must equal the config's model {want_keys[:3]}",
+                      "resume with the run's own config (the same model)")
+    for i, (a, b) in enumerate(zip(arrays, want, strict=True)):
+        if a.dtype != np.asarray(b).dtype or a.shape != np.shape(b):
+            raise rd.fail(f"a{i} (model tensor {keys[i]!r})", f"{a.dtype}{list(a.shape)}",
+                          f"must be {np.asarray(b).dtype}{list(np.shape(b))} like the "
+                          "config's model", "resume with the run's own config")
+
+
+def _numpy_rng(rd: _Reader, meta: Any, keys: Any) -> tuple[Any, ...]:
+    ok = (isinstance(meta, list) and len(meta) == 4 and meta[0] == "MT19937"
+          and isinstance(keys, np.ndarray) and keys.dtype == np.uint32 and keys.shape == (624,)
+          and not isinstance(meta[1], bool) and isinstance(meta[1], int) and 0 <= meta[1] <= 624
+          and meta[2] in (0, 1) and not isinstance(meta[2], bool)
+          and isinstance(meta[3], int | float) and math.isfinite(meta[3]))
+    state: tuple[Any, ...] = ()
+    if ok:
+        state = ("MT19937", keys, *meta[1:])
+        try:
+            np.random.RandomState().set_state(state)  # a scratch generator: nothing applied
+        except (TypeError, ValueError):
+            ok = False
+    if not ok:
+        raise rd.fail("meta.numpy_rng", meta if isinstance(meta, list) else type(meta).__name__,
+                      "must be a well-formed MT19937 state (624 uint32 keys)")
+    return state
+
+
+def _python_rng(rd: _Reader, value: Any) -> tuple[Any, ...]:
+    state: tuple[Any, ...] = ()
+    ok = isinstance(value, list) and len(value) == 3 and isinstance(value[1], list)
+    if ok:
+        state = (value[0], tuple(value[1]), value[2])
+        try:
+            random.Random().setstate(state)
+        except (TypeError, ValueError, OverflowError):
+            ok = False
+    if not ok:
+        raise rd.fail("meta.python_rng", type(value).__name__,
+                      "must be a well-formed random.getstate()")
+    return state
+
+
+def _torch_rng(rd: _Reader, value: Any) -> np.ndarray:
+    want = torch.get_rng_state()
+    ok = (isinstance(value, np.ndarray) and value.dtype == np.uint8
+          and value.shape == tuple(want.shape))
+    if ok:
+        try:
+            torch.Generator().set_state(torch.from_numpy(value.copy()))
+        except RuntimeError:
+            ok = False
+    if not ok:
+        shown = f"{value.dtype}{list(value.shape)}" if isinstance(value, np.ndarray) else value
+        raise rd.fail("torch_rng", shown,
+                      f"must be a well-formed torch CPU RNG state (uint8[{want.numel()}])")
+    return np.asarray(value)
 
 
 def config_diff(saved: dict[str, Any], cfg: RunConfig) -> list[str]:

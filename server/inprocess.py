@@ -25,7 +25,10 @@ from collections.abc import Callable, Iterable, Sequence
 from flwr.app import ArrayRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
-from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+from flwr.supercore.inflatable.inflatable_object import (
+    get_all_nested_objects,
+    no_object_id_recompute,
+)
 from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
@@ -37,8 +40,9 @@ _CLIENT_APP_RAISED_EXCEPTION = 2
 
 def wire_roundtrip(message: Message) -> tuple[Message, int]:
     """Serialise ``message`` as Flower ships it and inflate it again; returns (copy, bytes)."""
-    objects = get_all_nested_objects(message)
-    contents = {oid: obj.deflate() for oid, obj in objects.items()}
+    with no_object_id_recompute():  # each object id computed once, as Flower's Grid does
+        objects = get_all_nested_objects(message)
+        contents = {oid: obj.deflate() for oid, obj in objects.items()}
     size = sum(len(c) for c in contents.values())
     out = inflate_object_from_contents(message.object_id, contents)
     assert isinstance(out, Message)

@@ -5,6 +5,16 @@ Used by the ServerApp (``server.app``) in both simulation and deployment, and by
 :func:`strategies.base.run_train_round`), the global model changes only when the strategy
 returns new arrays, then the model is evaluated centrally on the held-out test split and a
 per-round record is appended to ``metrics.json`` / ``metrics.csv``.
+
+Two guards keep one bad round from ending the run (docs/reliability.md): any unexpected error
+inside a round's training or aggregation (or its federated evaluation) leaves the global model
+unchanged, is recorded in that round's record (``errors["server"]``, ``summary``) and the run
+goes on with the next round; and a new global model is committed only when it is finite and
+within ``strategy.max_model_change`` of the old one, whatever strategy produced it. A run in
+which no round changed the model still ends in :class:`~fedagg.errors.RunFailed`.
+
+A resume (``run.resume``) is validated in full before anything is written into the run
+directory (:func:`load_resume`).
 """
 
 from __future__ import annotations
@@ -23,18 +33,19 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord
 from flwr.serverapp import Grid
 
+from fedagg.aggregate import model_change_problem
 from fedagg.config import RunConfig, config_hash
 from fedagg.data import load_dataset
 from fedagg.errors import CheckpointError, ConfigError, RunFailed, explain
 from fedagg.models import build_model, set_weights
 from fedagg.report import atomic_write_bytes, write_metrics, write_plot
 from fedagg.training import evaluate
-from server.checkpoint import config_diff, load_checkpoint, save_checkpoint
+from server.checkpoint import Checkpoint, config_diff, load_checkpoint, save_checkpoint
 from strategies.base import RoundResult, run_evaluate_round, run_train_round
 from strategies.registry import build_strategy
 from strategies.wire import arrays_to_record, config_to_record, record_to_arrays
 
-__all__ = ["RoundCallback", "client_config", "run_server"]
+__all__ = ["RoundCallback", "check_resume", "client_config", "load_resume", "run_server"]
 
 _log = logging.getLogger(__name__)
 
@@ -120,12 +131,84 @@ def _initial(cfg: RunConfig, model_fn: ModelFn | None) -> tuple[Any, list[str], 
     return model, keys, arrays
 
 
-def _finite(arrays: ArrayRecord) -> bool:
-    """Whether every float array of the model is finite (the model-integrity backstop)."""
-    for a in record_to_arrays(arrays, copy=False)[1]:
-        if np.issubdtype(a.dtype, np.floating) and not np.isfinite(np.sum(a, dtype=np.float64)):
-            return False
-    return True
+def _model_problem(new: ArrayRecord, old: ArrayRecord, cfg: RunConfig) -> str:
+    """Why ``new`` must not become the global model ('' if it may): the integrity backstop."""
+    try:
+        new_keys, new_arrays = record_to_arrays(new, copy=False)
+        old_keys, old_arrays = record_to_arrays(old, copy=False)
+    except Exception as exc:  # a strategy returned something that is not a model
+        return f"the aggregated model could not be read ({type(exc).__name__}: {exc})"
+    if new_keys != old_keys:
+        return f"the aggregated model's tensors {new_keys[:3]} are not the model's {old_keys[:3]}"
+    return model_change_problem(new_arrays, old_arrays,
+                                max_change=cfg.strategy.max_model_change)
+
+
+def _failed_round(rnd: int, exc: Exception) -> RoundResult:
+    """The record of a round whose training / aggregation raised: nothing committed."""
+    why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+    _log.error("round %d: unexpected error in the round (global model unchanged, the run "
+               "goes on): %s", rnd, why, exc_info=True)
+    return RoundResult(arrays=None, metrics=None,
+                       errors={"server": f"unexpected error in the round: {why}"},
+                       aborted=f"unexpected error in the round's training or aggregation: "
+                               f"{why}")
+
+
+def _finite_number(value: Any) -> bool:
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and np.isfinite(value))
+
+
+def load_resume(cfg: RunConfig, keys: list[str], arrays: list[np.ndarray],
+                strategy: Any = None) -> Checkpoint:
+    """The checkpoint ``run.resume`` points at, validated against ``cfg`` and its model.
+
+    With ``strategy``, the saved strategy state is loaded into it (a state the strategy refuses
+    is a CheckpointError too). Nothing is written and no RNG is touched (see
+    :meth:`Checkpoint.restore_rng`).
+
+    Raises
+    ------
+    CheckpointError
+        A damaged / tampered checkpoint (the file and the field), another model, another
+        configuration (every difference listed), or a strategy state the strategy refuses.
+    """
+    assert cfg.run.resume is not None
+    ckpt = load_checkpoint(cfg.run.resume)
+    diff = config_diff(ckpt.config, cfg)
+    if ckpt.config_hash != config_hash(cfg) or diff:
+        raise CheckpointError(
+            explain(
+                "--resume",
+                str(cfg.run.resume),
+                "was written with a different configuration: "
+                + "; ".join(diff or ["(hash differs)"]),
+                "resume with the run's own config (its config.json), changing only run.rounds",
+            )
+        )
+    ckpt.check_model(keys, arrays)
+    load_state = getattr(strategy, "load_state_dict", None)
+    if ckpt.strategy_state is not None and callable(load_state):
+        try:
+            load_state(ckpt.strategy_state)
+        except Exception as exc:  # a tampered state: the strategy's own checks, or any error
+            raise CheckpointError(
+                explain(f"{Path(cfg.run.resume) / 'checkpoint.npz'}[meta.strategy_state]",
+                        type(exc).__name__, f"was refused by the strategy: {exc}",
+                        "restore the run directory from a backup, or start a new run")
+            ) from None
+    return ckpt
+
+
+def check_resume(cfg: RunConfig, *, model_fn: ModelFn | None = None) -> Checkpoint:
+    """What a resume of ``cfg`` would load, checked before any engine starts (writes nothing).
+
+    ``fedagg simulate --resume`` calls it so that a refused resume exits with status 2 and
+    leaves the run directory byte-identical; :func:`run_server` runs the same checks.
+    """
+    _, keys, arrays = _initial(cfg, model_fn)
+    return load_resume(cfg, keys, record_to_arrays(arrays)[1], build_strategy(cfg))
 
 
 def round_summary(rnd: int, result: RoundResult) -> str:
@@ -190,39 +273,19 @@ def run_server(
         res = central_eval(rec) if central_eval is not None else None
         return (None, None) if res is None else (float(res[0]), float(res[1]))
 
+    start = 1
+    records: list[dict[str, Any]]
+    ckpt: Checkpoint | None = None
+    if cfg.run.resume:  # validated in full before anything is written into the run directory
+        ckpt = load_resume(cfg, keys, record_to_arrays(arrays)[1], strategy)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(out / "config.json", cfg.model_dump_json(indent=2).encode())
-    start = 1
-    records: list[dict[str, Any]]
-    if cfg.run.resume:
-        ckpt = load_checkpoint(cfg.run.resume)
-        diff = config_diff(ckpt.config, cfg)
-        if ckpt.config_hash != config_hash(cfg) or diff:
-            raise CheckpointError(
-                explain(
-                    "--resume",
-                    str(cfg.run.resume),
-                    "was written with a different configuration: "
-                    + "; ".join(diff or ["(hash differs)"]),
-                    "resume with the run's own config (its config.json), changing only run.rounds",
-                )
-            )
-        if ckpt.keys != keys:
-            raise CheckpointError(
-                explain(
-                    "checkpoint.keys",
-                    ckpt.keys[:3],
-                    f"must equal the model's {keys[:3]}",
-                    "resume with the same model",
-                )
-            )
+    if ckpt is not None:
+        ckpt.restore_rng()
         arrays = arrays_to_record(ckpt.arrays, keys)
         records = ckpt.records
         start = ckpt.round + 1
-        load_state = getattr(strategy, "load_state_dict", None)
-        if ckpt.strategy_state is not None and callable(load_state):
-            load_state(ckpt.strategy_state)
         _log.info("resuming from %s after round %d", cfg.run.resume, ckpt.round)
         for old in records:
             if on_round:
@@ -263,12 +326,16 @@ def run_server(
     updated_any = any(r.get("model_updated") for r in records[1:])
     for rnd in range(start, cfg.run.rounds + 1):
         t0 = time.perf_counter()
-        result = run_train_round(strategy, grid, rnd, arrays, client_config(cfg),
-                                 round_deadline(cfg, rnd), retries=cfg.run.retries)
+        try:
+            result = run_train_round(strategy, grid, rnd, arrays, client_config(cfg),
+                                     round_deadline(cfg, rnd), retries=cfg.run.retries)
+        except Exception as exc:  # one round's failure never ends the run (docs/reliability)
+            result = _failed_round(rnd, exc)
         _test_kill_point(rnd, "after-train")
-        if result.arrays is not None and not _finite(result.arrays):
-            result.rejected["server"] = ("the aggregated model is not finite: it was not "
-                                         "committed (global model unchanged)")
+        problem = _model_problem(result.arrays, arrays, cfg) if result.arrays is not None else ""
+        if problem:
+            result.rejected["server"] = (f"{problem}: the aggregated model was not committed "
+                                         "(global model unchanged)")
             _log.error("round %d: %s", rnd, result.rejected["server"])
             result.arrays = None
         if result.arrays is not None:
@@ -287,11 +354,16 @@ def run_server(
         if rnd % cfg.run.evaluate_every == 0 or rnd == cfg.run.rounds:
             loss, acc = evaluated(arrays)
             rec.update(accuracy=acc, loss=loss)
-        fed = run_evaluate_round(strategy, grid, rnd, arrays, client_config(cfg),
-                                 round_deadline(cfg, rnd))
+        try:
+            fed = run_evaluate_round(strategy, grid, rnd, arrays, client_config(cfg),
+                                     round_deadline(cfg, rnd))
+        except Exception as exc:  # like training: the round's record says why, the run goes on
+            fed = None
+            result.errors["server-evaluate"] = (f"unexpected error in federated evaluation: "
+                                                f"{type(exc).__name__}: {exc}"[:400])
+            _log.error("round %d: %s", rnd, result.errors["server-evaluate"], exc_info=True)
         if fed is not None:
-            rec["federated_eval"] = {k: v for k, v in fed.items()
-                                     if isinstance(v, int | float)}
+            rec["federated_eval"] = {k: v for k, v in fed.items() if _finite_number(v)}
         rec.update(
             bytes_up=result.bytes_up,
             bytes_down=result.bytes_down,
@@ -307,12 +379,12 @@ def run_server(
         )
         if result.metrics is not None:
             loss_value = result.metrics.get("train_loss", result.metrics.get("train-loss"))
-            rec["train_loss"] = loss_value
+            rec["train_loss"] = loss_value if _finite_number(loss_value) else None
             rec.update(
                 {
                     k.replace("-", "_"): v
                     for k, v in result.metrics.items()
-                    if k.startswith("secagg-")
+                    if k.startswith("secagg-") and _finite_number(v)
                 }
             )  # secure aggregation: counted, dropped, error bound
         for phase, sec in result.seconds.items():
@@ -323,6 +395,10 @@ def run_server(
         accepted = getattr(strategy, "last_accepted", None)
         if accepted is not None:
             rec["sites"] = list(accepted)
+        capped = getattr(strategy, "last_capped", None) or getattr(
+            getattr(strategy, "inner", None), "last_capped", None)
+        if capped:
+            rec["weights_capped"] = dict(capped)
         if result.rejected:
             rec["rejected"] = result.rejected
         if result.errors:

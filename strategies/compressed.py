@@ -30,7 +30,6 @@ site's vote table reveals its top-k indices; :class:`fedagg.update.UploadSpec`).
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -39,6 +38,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
+from fedagg.aggregate import UpdateGuards
 from fedagg.compression import codec
 from fedagg.errors import CodecError, ConfigError, UpdateRejected, explain
 from fedagg.update import (
@@ -50,7 +50,7 @@ from fedagg.update import (
     decode_down,
     encode_down,
 )
-from strategies.fedavg import FedAvg, validate_reply
+from strategies.fedavg import FedAvg, check_metadata, validate_reply
 from strategies.wire import (
     INSTRUCTION_KEY,
     PREVIOUS_KEY,
@@ -87,6 +87,10 @@ class Compressed(StrategyWrapper):
         Public seed of the supports (``run.seed``; sites get it in the instruction).
     max_update_norm : float, optional
         Reject site deltas with a larger L2 norm (default: the inner strategy's, if any).
+    guards : UpdateGuards, optional
+        The round-level guards (weight bound and cap, norm-bomb guard, model change) for the
+        decoded deltas; default: the inner strategy's ``guards`` (fedagg's FedAvg applies them
+        itself), else :class:`fedagg.aggregate.UpdateGuards`'s defaults.
     state_namespace : str
         Suffix of the sites' ``Context.state`` keys, so that several strategies can drive the
         same sites in one run without sharing residuals.
@@ -99,12 +103,16 @@ class Compressed(StrategyWrapper):
 
     def __init__(self, inner: Strategy | None = None, *, up: str = "none", down: str = "none",
                  support: str = "reveal-indices", seed: int | None = None,
-                 max_update_norm: float | None = None, state_namespace: str = "") -> None:
+                 max_update_norm: float | None = None, state_namespace: str = "",
+                 guards: UpdateGuards | None = None) -> None:
         super().__init__(inner if inner is not None else FedAvg())
         self.spec = UploadSpec.parse(up, support=support, down=down)
         self.seed = int(seed if seed is not None else getattr(self.inner, "seed", 0))
         self.max_update_norm = (max_update_norm if max_update_norm is not None
                                 else getattr(self.inner, "max_update_norm", None))
+        inner_guards = getattr(self.inner, "guards", None)
+        self.guards = (guards if guards is not None else inner_guards
+                       if isinstance(inner_guards, UpdateGuards) else UpdateGuards())
         self.state_namespace = state_namespace
         self.history = SupportHistory(self.spec, self.seed)
         self.decoder = RoundDecoder(self.history)  # FetchSGD's server state (sketch)
@@ -182,7 +190,8 @@ class Compressed(StrategyWrapper):
         if self.spec.dense:  # downward-only compression: dense replies
             arrays, weight, mrec = validate_reply(reply, keys, sent, weight_key=weight_key,
                                                   max_norm=self.max_update_norm,
-                                                  server_round=self.history.round)
+                                                  server_round=self.history.round,
+                                                  max_weight=self.guards.max_weight)
             dense: list[np.ndarray] = [np.subtract(a, r, dtype=np.float32)
                                        for a, r in zip(arrays, sent, strict=True)]
             return dense, weight, dict(mrec)
@@ -196,19 +205,13 @@ class Compressed(StrategyWrapper):
                                          "add clients.fedagg_mod to the ClientApp's mods (or "
                                          "use clients.make_client_app)"))
         mrecs = list(content.metric_records.values())
-        metrics = dict(mrecs[0]) if len(mrecs) == 1 else {}
-        echoed = metrics.get("server-round")
-        if echoed is not None and echoed != self.history.round:
-            raise UpdateRejected(explain(f"{site}.metrics.server-round", echoed,
-                                         f"must be the current round {self.history.round}",
-                                         "stale reply from an earlier round: it is never "
-                                         "aggregated"))
-        raw = metrics.get(weight_key)
-        if not (isinstance(raw, int | float) and not isinstance(raw, bool)
-                and math.isfinite(raw) and raw > 0):
-            raise UpdateRejected(explain(f"{site}.metrics.{weight_key}", raw,
-                                         "one MetricRecord with a finite number > 0",
-                                         "report the number of examples used for training"))
+        if len(mrecs) != 1:
+            raise UpdateRejected(explain(f"{site}.metric_records", len(mrecs),
+                                         f"must be one MetricRecord with {weight_key!r}",
+                                         "reply with the metrics in one MetricRecord"))
+        metrics = dict(mrecs[0])
+        raw = check_metadata(site, metrics, weight_key=weight_key,
+                             server_round=self.history.round, max_weight=self.guards.max_weight)
         try:
             data = payload_bytes(arecs[REPLY_KEY])
         except CodecError as exc:
@@ -289,7 +292,8 @@ class Compressed(StrategyWrapper):
         if self.spec.sketch:
             return self._aggregate_sketches(server_round, good)
         keys, current = self._current
-        return inner_aggregate(self.inner, server_round, good, keys, current)
+        return inner_aggregate(self.inner, server_round, good, keys, current,
+                               guards=self.guards, rejected=self.last_rejected)
 
     def state_dict(self) -> dict[str, Any]:
         """The inner strategy's state, the support history and FetchSGD's tables."""

@@ -9,9 +9,14 @@ min_available_nodes = 2``, ``"num-examples"``, ``"arrays"``, ``"config"``), same
 the same aggregate (tests/strategies/test_fedavg.py). What it adds, each documented in
 docs/plugins.md:
 
-* every reply is checked on its own (record layout, weight, shapes, finite values, optional
-  norm bound, round echo); a bad reply is excluded with the reason (:attr:`last_rejected`)
-  instead of failing the round;
+* every reply is checked on its own (record layout, weight, ``partition-id`` and round echo
+  as finite scalars of the right type and range, shapes, finite values, optional norm bound);
+  a bad reply is excluded with the reason (:attr:`last_rejected`) instead of failing the round;
+* round-level guards (:class:`fedagg.aggregate.UpdateGuards`): weights capped at
+  ``max_weight_ratio`` x the round's median, updates with a delta norm above
+  ``norm_outlier_factor`` x the round's median refused, and the new model committed only when
+  it is finite and within ``max_model_change`` of the old one (the server optimizer's state is
+  rolled back otherwise);
 * a float reply of another precision (float64 for a float32 model) is cast to the model's
   dtype, as Flower's arithmetic would; ``strict_dtypes=True`` refuses it instead;
 * fewer valid replies than ``min_sites`` leaves the global model unchanged;
@@ -38,13 +43,26 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
-from fedagg.aggregate import ServerOptimizer, cast_update, check_update, subtract, weighted_mean
+from fedagg.aggregate import (
+    MEDIAN_MIN_UPDATES,
+    ServerOptimizer,
+    UpdateGuards,
+    cap_weights,
+    cast_update,
+    check_update,
+    global_norm,
+    model_change_problem,
+    norm_outliers,
+    subtract,
+    weighted_mean,
+)
 from fedagg.config import RunConfig
 from fedagg.errors import UpdateRejected, explain
 from strategies.base import FedaggStrategy
 from strategies.wire import arrays_to_record, record_to_arrays
 
-__all__ = ["METRIC_ALIASES", "NOT_METRICS", "FedAvg", "Update", "aggregate_metrics",
+__all__ = ["MAX_PARTITION_ID", "METRIC_ALIASES", "NOT_METRICS", "FedAvg", "Update",
+           "aggregate_metrics", "check_metadata", "guard_updates", "guards_from_config",
            "partition_of", "validate_reply"]
 
 _log = logging.getLogger(__name__)
@@ -68,6 +86,116 @@ def _numbers(metrics: Any) -> dict[str, float]:
     return out
 
 
+MAX_PARTITION_ID = 2**31 - 1
+"""Largest ``partition-id`` a reply may carry (larger ones, like non-integers, are refused)."""
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check_metadata(site: str, metrics: Any, *, weight_key: str = "num-examples",
+                   server_round: int | None = None, max_weight: float | None = None) -> float:
+    """Type- and range-check the identifiers and the weight of one reply; returns the weight.
+
+    The weight (``weight_key``) must be a finite number > 0 (and <= ``max_weight``); a
+    ``server-round`` echo must be the integer ``server_round``; a ``partition-id`` must be an
+    integer in ``[0, 2^31)``. Lists, booleans, NaN or Inf in any of them refuse the reply, never
+    the round (other metrics are only averaged, see :func:`aggregate_metrics`).
+
+    Raises
+    ------
+    UpdateRejected
+        Naming the field, the value, the rule and the fix.
+    """
+    weight: Any = metrics.get(weight_key) if hasattr(metrics, "get") else None
+    if not (_is_number(weight) and math.isfinite(weight) and weight > 0):
+        raise UpdateRejected(explain(f"{site}.metrics.{weight_key}", weight,
+                                     "must be a finite number > 0",
+                                     "report the number of examples used for training"))
+    if max_weight is not None and weight > max_weight:
+        raise UpdateRejected(explain(f"{site}.metrics.{weight_key}", weight,
+                                     f"must be <= strategy.max_weight = {max_weight}",
+                                     "report the real number of examples, or raise "
+                                     "strategy.max_weight"))
+    if "server-round" in metrics:
+        echoed: Any = metrics["server-round"]
+        ok = _is_number(echoed) and math.isfinite(echoed) and float(echoed).is_integer()
+        if not ok or (server_round is not None and int(echoed) != server_round):
+            raise UpdateRejected(explain(
+                f"{site}.metrics.server-round", echoed,
+                f"must be the current round {server_round}" if server_round is not None
+                else "must be an integer",
+                "stale reply from an earlier round: it is never aggregated"))
+    if "partition-id" in metrics:
+        pid: Any = metrics["partition-id"]
+        if not (_is_number(pid) and math.isfinite(pid) and float(pid).is_integer()
+                and 0 <= pid <= MAX_PARTITION_ID):
+            raise UpdateRejected(explain(f"{site}.metrics.partition-id", pid,
+                                         f"must be an integer in [0, {MAX_PARTITION_ID}]",
+                                         "report the site's partition id (or leave it out)"))
+    return float(weight)
+
+
+def guards_from_config(cfg: RunConfig) -> UpdateGuards:
+    """The round-level guards of ``[strategy]`` (docs/reliability.md)."""
+    s = cfg.strategy
+    return UpdateGuards(max_weight=s.max_weight, max_weight_ratio=s.max_weight_ratio,
+                        norm_outlier_factor=s.norm_outlier_factor,
+                        max_model_change=s.max_model_change)
+
+
+def guard_updates(updates: Sequence[Update], guards: UpdateGuards, current: Sequence[np.ndarray],
+                  *, deltas: bool, server_round: int, rejected: dict[str, str],
+                  capped: dict[str, str] | None = None) -> tuple[list[Update], list[float]]:
+    """Apply the round-level guards to checked updates; returns the kept ones and their weights.
+
+    Updates with a weight that is not a finite number in ``(0, max_weight]`` are refused (a
+    wrapper or plugin may hand over anything); with at least
+    :data:`~fedagg.aggregate.MEDIAN_MIN_UPDATES` updates, those whose delta norm exceeds
+    ``norm_outlier_factor`` x the median are refused (the norm-bomb guard), and the remaining
+    weights are capped at ``max_weight_ratio`` x their median. Refusals are added to
+    ``rejected`` (node id -> reason), caps to ``capped``; both are logged.
+    """
+    kept: list[Update] = []
+    for u in updates:
+        node = str(u[3])
+        w = u[1]
+        if not (_is_number(w) and math.isfinite(w) and w > 0) or (
+                guards.max_weight is not None and w > guards.max_weight):
+            rejected[node] = explain(f"node {node}.weight", w,
+                                     "must be a finite number in (0, strategy.max_weight]",
+                                     "report the number of examples used for training")
+            _log.warning("round %d: rejected update: %s", server_round, rejected[node])
+            continue
+        kept.append(u)
+    if guards.norm_outlier_factor > 0 and len(kept) >= MEDIAN_MIN_UPDATES:
+        norms = [global_norm(u[0]) if deltas else global_norm(subtract(u[0], current))
+                 for u in kept]
+        out = set(norm_outliers(norms, guards.norm_outlier_factor))
+        if out:
+            median = float(np.median([n for n in norms if math.isfinite(n)] or [0.0]))
+            for i in sorted(out):
+                node = str(kept[i][3])
+                rejected[node] = explain(
+                    f"node {node}.delta_norm", float(f"{norms[i]:.6g}"),
+                    f"must be <= strategy.norm_outlier_factor x the round's median delta norm "
+                    f"= {guards.norm_outlier_factor} x {median:.6g}",
+                    "check the site (a norm bomb?), or raise / turn off (0) "
+                    "strategy.norm_outlier_factor")
+                _log.warning("round %d: rejected update: %s", server_round, rejected[node])
+            kept = [u for i, u in enumerate(kept) if i not in out]
+    weights, over = cap_weights([u[1] for u in kept], guards.max_weight_ratio)
+    for i in over:
+        node = str(kept[i][3])
+        note = (f"node {node}: weight {kept[i][1]:.6g} capped to {weights[i]:.6g} "
+                f"(strategy.max_weight_ratio = {guards.max_weight_ratio} x the round's median)")
+        if capped is not None:
+            capped[node] = note
+        _log.warning("round %d: %s", server_round, note)
+    return kept, [float(w) for w in weights]
+
+
 def partition_of(metrics: Any) -> int:
     """The ``partition-id`` a site reported (-1 when absent or not a finite number)."""
     value = dict(metrics).get("partition-id", -1)
@@ -83,6 +211,10 @@ def aggregate_metrics(metrics: Sequence[dict[str, Any]], weights: Sequence[float
     A key that is not a finite scalar at every site that sent it is dropped for the round
     (one site's list or NaN never breaks the others' mean).
     """
+    top = max((float(w) for w in weights), default=0.0)
+    if not (math.isfinite(top) and top > 0):
+        return MetricRecord()
+    weights = [float(w) / top for w in weights]  # no overflow for weights up to ~1e308
     total = float(sum(weights))
     acc: dict[str, float] = {}
     seen: dict[str, float] = {}
@@ -100,14 +232,15 @@ def aggregate_metrics(metrics: Sequence[dict[str, Any]], weights: Sequence[float
             seen[k] = seen.get(k, 0.0) + w
     out = MetricRecord()
     for k, v in acc.items():
-        if k not in bad and seen[k] > 0 and total > 0:
+        if k not in bad and seen[k] > 0 and total > 0 and math.isfinite(v / seen[k]):
             out[k] = v / seen[k]
     return out
 
 
 def validate_reply(reply: Message, keys: list[str], reference: list[np.ndarray], *,
                    weight_key: str = "num-examples", max_norm: float | None = None,
-                   server_round: int | None = None, strict_dtypes: bool = False
+                   server_round: int | None = None, strict_dtypes: bool = False,
+                   max_weight: float | None = None
                    ) -> tuple[list[np.ndarray], float, MetricRecord]:
     """Check one train reply; return ``(arrays, weight, metrics)`` or raise UpdateRejected."""
     site = f"node {reply.metadata.src_node_id}"
@@ -125,17 +258,8 @@ def validate_reply(reply: Message, keys: list[str], reference: list[np.ndarray],
                                      f"must hold one MetricRecord with {weight_key!r}",
                                      f"add {weight_key!r} (number of training examples) to the "
                                      "metrics"))
-    weight = mrecs[0][weight_key]
-    if isinstance(weight, bool) or not (isinstance(weight, int | float) and math.isfinite(weight)
-                                        and weight > 0):
-        raise UpdateRejected(explain(f"{site}.metrics.{weight_key}", weight,
-                                     "must be a finite number > 0",
-                                     "report the number of examples used for training"))
-    echoed = mrecs[0].get("server-round")
-    if server_round is not None and echoed is not None and echoed != server_round:
-        raise UpdateRejected(explain(f"{site}.metrics.server-round", echoed,
-                                     f"must be the current round {server_round}",
-                                     "stale reply from an earlier round: it is never aggregated"))
+    weight = check_metadata(site, mrecs[0], weight_key=weight_key, server_round=server_round,
+                            max_weight=max_weight)
     try:
         rkeys, arrays = record_to_arrays(arecs[0], copy=False)
     except UpdateRejected:
@@ -148,7 +272,7 @@ def validate_reply(reply: Message, keys: list[str], reference: list[np.ndarray],
                                      "send the model of the same architecture"))
     arrays = cast_update(arrays, reference, strict=strict_dtypes, site=site)
     check_update(arrays, reference, max_norm=max_norm, site=site)
-    return arrays, float(weight), mrecs[0]
+    return arrays, weight, mrecs[0]
 
 
 class FedAvg(FedaggStrategy, FlowerFedAvg):
@@ -168,6 +292,10 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
         Server learning rate and momentum / beta1.
     max_update_norm : float, optional
         Reject site updates whose delta has a larger L2 norm.
+    max_weight, max_weight_ratio, norm_outlier_factor, max_model_change
+        The round-level guards (:class:`fedagg.aggregate.UpdateGuards`; defaults: no absolute
+        weight bound, weights capped at 10 x the round's median, updates above 10 x the
+        median delta norm refused, no bound on the model's change beyond finiteness).
     strict_dtypes : bool
         Refuse replies whose float dtype differs from the model's (default: cast them).
     seed : int
@@ -186,7 +314,9 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
                  min_sites: int = 1, server_optimizer: str = "none", server_lr: float = 1.0,
                  server_momentum: float = 0.9, max_update_norm: float | None = None,
                  strict_dtypes: bool = False, seed: int = 0,
-                 wait_timeout: float | None = None, **kwargs: Any) -> None:
+                 wait_timeout: float | None = None, max_weight: float | None = None,
+                 max_weight_ratio: float = 10.0, norm_outlier_factor: float = 10.0,
+                 max_model_change: float | None = None, **kwargs: Any) -> None:
         # Flower logs a warning for a 0 fraction at every construction; fedagg's run config
         # defaults to fraction_evaluate = 0 (centralized evaluation), so set it quietly.
         super().__init__(fraction_train=fraction_train or 1.0,
@@ -202,11 +332,18 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
             self.min_train_nodes = 0
         self.min_sites = min_sites
         self.max_update_norm = max_update_norm
+        self.guards = UpdateGuards(max_weight=max_weight, max_weight_ratio=max_weight_ratio,
+                                   norm_outlier_factor=norm_outlier_factor,
+                                   max_model_change=max_model_change)
         self.strict_dtypes = strict_dtypes
         self.seed = seed
         self.wait_timeout = wait_timeout
         self.optimizer = ServerOptimizer(server_optimizer, lr=server_lr, beta1=server_momentum)
         self.last_rejected: dict[str, str] = {}
+        self.last_guarded: dict[str, str] = {}
+        """Refusals of the round-level guards in the last :meth:`aggregate_updates` (node id or
+        ``"server"`` -> reason); wrappers that call it directly report them."""
+        self.last_capped: dict[str, str] = {}
         self.last_accepted: list[int] = []
         self.last_site_metrics: dict[str, dict[str, float]] = {}
         self._global: tuple[list[str], list[np.ndarray]] | None = None
@@ -221,7 +358,10 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
                    min_sites=cfg.run.min_sites, server_optimizer=s.server_optimizer,
                    server_lr=s.server_lr, server_momentum=s.server_momentum,
                    max_update_norm=s.max_update_norm, seed=cfg.run.seed,
-                   wait_timeout=cfg.run.wait_for_sites)
+                   wait_timeout=cfg.run.wait_for_sites, max_weight=s.max_weight,
+                   max_weight_ratio=s.max_weight_ratio,
+                   norm_outlier_factor=s.norm_outlier_factor,
+                   max_model_change=s.max_model_change)
 
     @property
     def current_global(self) -> tuple[list[str], list[np.ndarray]]:
@@ -301,7 +441,7 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
                 arrays, weight, metrics = validate_reply(
                     reply, keys, reference, weight_key=self.weighted_by_key,
                     max_norm=self.max_update_norm, server_round=server_round,
-                    strict_dtypes=self.strict_dtypes)
+                    strict_dtypes=self.strict_dtypes, max_weight=self.guards.max_weight)
             except UpdateRejected as exc:
                 self.last_rejected[str(reply.metadata.src_node_id)] = str(exc)
                 _log.warning("rejected update: %s", exc)
@@ -314,6 +454,11 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
                           ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Weighted mean of checked updates, applied through the server optimizer.
 
+        The round-level guards run first (:func:`guard_updates`), and the new model is
+        committed only if :func:`fedagg.aggregate.model_change_problem` finds nothing (else the
+        optimizer's state is rolled back and ``None`` returned, the reason in
+        :attr:`last_guarded` under ``"server"``).
+
         The entry point for wrappers that decode updates themselves (compressed, secure): no
         Flower records in between. ``deltas=False``: the updates are whole models (plain
         replies); with ``server_optimizer = "none"`` the new model is then their weighted
@@ -322,23 +467,38 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
         """
         if self._global is None:
             raise RuntimeError("aggregate_updates called before configure_train")
-        good = sorted(updates, key=lambda g: (partition_of(g[2]), g[3]))
+        keys, current = self._global
+        self.last_guarded, self.last_capped = {}, {}
+        ordered = sorted(updates, key=lambda g: (partition_of(g[2]), g[3]))
+        good, weights = guard_updates(ordered, self.guards, current, deltas=deltas,
+                                      server_round=server_round, rejected=self.last_guarded,
+                                      capped=self.last_capped)
         self.last_accepted = [partition_of(g[2]) for g in good]
         self.last_site_metrics = {str(partition_of(g[2])): _numbers(g[2]) for g in good}
         count = len(good) if sites is None else int(sites)
         if count < self.min_sites or not good:
+            self.last_rejected.update(self.last_guarded)
             _log.warning("round %d: %d valid updates < min_sites=%d; global model unchanged",
                          server_round, count, self.min_sites)
             return None, None
-        keys, current = self._global
-        mean = weighted_mean([g[0] for g in good], [g[1] for g in good])
+        mean = weighted_mean([g[0] for g in good], weights)
+        snap = self.optimizer.snapshot()
         if deltas:
             new = self.optimizer.step(current, mean)
         elif self.optimizer.kind == "none":
             new = mean
         else:
             new = self.optimizer.step(current, subtract(mean, current))
-        metrics = aggregate_metrics([g[2] for g in good], [g[1] for g in good])
+        problem = model_change_problem(new, current, max_change=self.guards.max_model_change)
+        if problem:
+            self.optimizer.restore(snap)  # a refused model leaves no trace in the momentum
+            self.last_guarded["server"] = (f"round {server_round}: the aggregated model was not "
+                                           f"committed (global model unchanged): {problem}")
+            self.last_rejected.update(self.last_guarded)
+            _log.error("%s", self.last_guarded["server"])
+            return None, None
+        self.last_rejected.update(self.last_guarded)
+        metrics = aggregate_metrics([g[2] for g in good], weights)
         return arrays_to_record(new, keys), metrics
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]

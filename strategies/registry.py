@@ -106,6 +106,7 @@ def build_strategy(cfg: RunConfig) -> Strategy:
         around a non-linear strategy or with too few sites per round.
     """
     from strategies.compressed import Compressed
+    from strategies.fedavg import guards_from_config
     from strategies.secure import SecureAggregation
 
     name = cfg.strategy.name.strip()
@@ -117,7 +118,8 @@ def build_strategy(cfg: RunConfig) -> Strategy:
         return SecureAggregation.from_config(None, cfg, inner)
     if name == "compressed" or c.up != "none" or c.down != "none":
         return Compressed(inner, up=c.up, down=c.down, support=c.support, seed=cfg.run.seed,
-                          max_update_norm=cfg.strategy.max_update_norm)
+                          max_update_norm=cfg.strategy.max_update_norm,
+                          guards=guards_from_config(cfg))
     return inner
 
 

@@ -30,7 +30,9 @@ and the run continues with the next round. See docs/protocols/secagg.md.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -47,11 +49,13 @@ from fedagg.secagg import (
     KeyAdvertise,
     MaskedUpload,
     SecAggParams,
+    ServerStage,
     ServerState,
     ShareKeys,
     UnmaskResponse,
 )
 from fedagg.secagg import Message as SecAggMessage
+from fedagg.secagg.params import check_site_floor
 from fedagg.update import MaskedLayout, RoundDecoder, SupportHistory, UploadSpec, masked_layout
 from strategies.base import exchange
 from strategies.fedavg import FedAvg
@@ -162,6 +166,7 @@ class SecureAggregation(StrategyWrapper):
         self.last_result: Any = None  # fedagg.secagg.RoundResult of the last completed round
         self.last_support: np.ndarray | None = None
         self.history_log: list[dict[str, Any]] = []
+        self._named_blamed: set[int] = set()  # blamed site indices already reported
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -179,7 +184,13 @@ class SecureAggregation(StrategyWrapper):
                          down=cfg.compression.down, secure=True)
         per_round = max(int(cfg.run.sites * cfg.run.fraction_train), 1)
         try:
-            resolve_params(cfg.secagg, per_round, upload_timeout=cfg.run.round_timeout)
+            params = resolve_params(cfg.secagg, per_round, upload_timeout=cfg.run.round_timeout)
+            # epochs are keyed over the sampled sites or over every node: each roster's t must
+            # clear the sites' default floor (t > k/2, k >= min(3, N - 1))
+            for roster in sorted({per_round, cfg.run.sites} - {0, 1}):
+                k = params.neighbours_for(roster)
+                check_site_floor(dataclasses.replace(
+                    params, threshold=cfg.secagg.resolve_threshold(k)), roster)
         except ConfigError as exc:
             raise ConfigError(f"{exc} (secure aggregation with {per_round} sites per round: "
                               f"run.sites={cfg.run.sites} x run.fraction_train="
@@ -265,21 +276,30 @@ class SecureAggregation(StrategyWrapper):
                  phase: str) -> bool:
         """Parse one reply and hand it to the server state; a bad one drops only its site."""
         node = reply.metadata.src_node_id
+        sender = site_of.get(node)
         try:
+            if sender is None:
+                raise ProtocolError(explain("node", node, "is not a participant of this stage",
+                                            "drop the reply"))
             msg = unpack(reply.content, cls)
-            if site_of.get(node) != msg.site:
-                raise ProtocolError(explain("site", msg.site, f"node {node} has index "
-                                            f"{site_of.get(node)}", "-"))
-            accept(msg)
-        except (ProtocolError, VerificationError) as exc:
+            accept(msg, sender=sender)  # the core refuses a reply in another site's name
+        except (ProtocolError, VerificationError, ConfigError) as exc:
             self.round_log.rejected[str(node)] = f"{phase}: {exc}"
             self._fail(node, f"{phase}: invalid reply: {exc}")
+            return False
+        except Exception as exc:  # never one site's reply past its own rejection
+            _log.error("secure aggregation: unexpected %s from node %d's %s reply",
+                       type(exc).__name__, node, phase, exc_info=True)
+            self.round_log.rejected[str(node)] = f"{phase}: {type(exc).__name__}: {exc}"
+            self._fail(node, f"{phase}: invalid reply: {type(exc).__name__}")
             return False
         return True
 
     # -- key setup (two exchanges) -------------------------------------------------------------
     def _setup(self, nodes: Sequence[int], config: ConfigRecord, group: str) -> None:
         assert self.server is not None and self.params is not None
+        nodes = [n for n in nodes if n not in self._excluded_nodes()]
+        self._params_for_roster(len(nodes))
         t = self.params.setup_timeout_s
         idx = dict(zip(nodes, self.sites.indices(nodes), strict=True))
         request = self.server.begin_setup(idx.values())
@@ -296,6 +316,44 @@ class SecureAggregation(StrategyWrapper):
         usable = self.server.close_share_keys()
         _log.info("secure aggregation: epoch %d keyed with %d of %d sites", self.server.epoch,
                   len(usable), len(nodes))
+
+    def _params_for_roster(self, roster: int) -> None:
+        """Resolve ``t`` (and ``k``) for the roster an epoch is about to be keyed over.
+
+        ``t`` was resolved from the sampled count, but an epoch may be keyed over every
+        connected node (``run.fraction_train < 1``): its ``k`` can then exceed ``2 t``, and
+        every site would refuse the setup (its floor, docs/protocols/secagg.md section 4). A
+        new epoch starts with the parameters of its own roster (sites get them, and their
+        digest, in the setup messages); nothing changes within an epoch.
+        """
+        assert self.server is not None and self.params is not None
+        if roster < 2:
+            return  # close_advertise aborts the setup with the reason
+        k = self.params.neighbours_for(roster)
+        t = self.secagg.resolve_threshold(k)
+        if t != self.params.threshold:
+            params = dataclasses.replace(self.params, threshold=t)
+            _log.info("secure aggregation: threshold t = %d for an epoch of %d sites (k = %d)",
+                      t, roster, k)
+            self.params = params
+            self.server.params = params
+
+    def _excluded_nodes(self) -> set[int]:
+        """Nodes whose own shares made a round of this run abort (``secagg.exclude_blamed``).
+
+        The protocol cannot tell such a site from one framed by more than ``k - t`` lying
+        neighbours; fedagg leaves it out of the rest of the run by default (an availability
+        attack costs one round, not every round), and says so in the round's ``rejected``.
+        """
+        if self.server is None or not self.secagg.exclude_blamed:
+            return set()
+        out = set()
+        for i in self.server.blamed_sites:
+            try:
+                out.add(self.sites.node(i))
+            except KeyError:
+                continue
+        return out
 
     def _ensure_server(self, grid: Grid, per_round: int, upload_timeout: float) -> ServerState:
         if self.server is None:
@@ -349,8 +407,18 @@ class SecureAggregation(StrategyWrapper):
         self._new_round()
         self._grid = grid
         self._round = None
+        if self.server is not None and self.server.stage in (ServerStage.COLLECTING,
+                                                             ServerStage.UNMASKING):
+            self.server.abort_round()  # the previous round ended in an unexpected error
         t_start = time.perf_counter()
         inner_msgs = list(self.inner.configure_train(server_round, arrays, config, grid))
+        excluded = self._excluded_nodes()
+        for m in inner_msgs:
+            if m.metadata.dst_node_id in excluded:
+                self.round_log.rejected[str(m.metadata.dst_node_id)] = (
+                    "excluded from this round: its own relayed shares made an earlier round "
+                    "abort (ServerState.blamed_sites; secagg.exclude_blamed)")
+        inner_msgs = [m for m in inner_msgs if m.metadata.dst_node_id not in excluded]
         keys, current = record_to_arrays(arrays)
         self.history.advance(server_round, current)
         if not inner_msgs:
@@ -428,6 +496,7 @@ class SecureAggregation(StrategyWrapper):
         return support
 
     def _abort(self, server_round: int, reason: str) -> None:
+        self._name_blamed(server_round)
         self.round_log.aborted = f"secure aggregation aborted: {reason}"
         _log.warning("round %d: secure aggregation aborted, global model unchanged: %s",
                      server_round, reason)
@@ -435,6 +504,24 @@ class SecureAggregation(StrategyWrapper):
                                  "failed": dict(self.round_log.failed),
                                  "exchanges": self.round_log.exchanges,
                                  "bytes_up": dict(self.round_log.up)})
+
+    def _name_blamed(self, server_round: int) -> None:
+        """Name, in the round's ``rejected``, each site the core newly blamed for an abort."""
+        if self.server is None:
+            return
+        for i in self.server.blamed_sites:
+            if i in self._named_blamed:
+                continue
+            self._named_blamed.add(i)
+            try:
+                node = str(self.sites.node(i))
+            except KeyError:
+                continue
+            self.round_log.rejected.setdefault(node, (
+                f"round {server_round}: its own relayed shares could not be opened by its "
+                "neighbours, so the round aborted (blamed; "
+                + ("left out of the run's later rounds" if self.secagg.exclude_blamed
+                   else "re-keyed before it takes part again") + ")"))
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -454,7 +541,7 @@ class SecureAggregation(StrategyWrapper):
         t0 = time.perf_counter()
         try:
             unmask_requests = server.close_uploads()
-        except AbortRound as exc:
+        except ProtocolError as exc:  # AbortRound: too few live holders of a needed secret
             self._abort(server_round, str(exc))
             return None, None
         self.round_log.tick("aggregate", t0)
@@ -466,9 +553,16 @@ class SecureAggregation(StrategyWrapper):
         t0 = time.perf_counter()
         try:
             result = server.finish_round()
-        except (AbortRound, VerificationError) as exc:
+        except ProtocolError as exc:  # AbortRound / VerificationError, blaming who it can
             self.round_log.tick("aggregate", t0)
             self._abort(server_round, f"unmask failed: {exc}")
+            return None, None
+        weight_cap = len(result.counted) * (self.params.weight_scale if self.params else 0.0)
+        if not (math.isfinite(result.total_weight) and 0 < result.total_weight
+                <= weight_cap * (1 + 1e-3)):
+            self.round_log.tick("aggregate", t0)
+            self._abort(server_round, f"the unmasked total weight {result.total_weight!r} is not "
+                        f"in (0, counted sites x secagg.weight_scale = {weight_cap:g}]")
             return None, None
         clip = self.params.clip if self.params is not None else None
         try:
@@ -496,7 +590,7 @@ class SecureAggregation(StrategyWrapper):
         some_reply = got[0] if got else r["messages"][0]
         new, inner_metrics = inner_aggregate(
             self.inner, server_round, [(delta, float(result.total_weight), metrics, some_reply)],
-            r["keys"], current, sites=len(result.counted))
+            r["keys"], current, sites=len(result.counted), rejected=self.last_rejected)
         self.round_log.tick("aggregate", t0)
         _log.info("round %d: secure mean of %d sites (%d dropped before upload), error <= %.2e",
                   server_round, len(result.counted), len(result.dropped), result.error_bound)

@@ -18,6 +18,7 @@ accepts only inner strategies whose aggregate is a weighted mean (:func:`is_line
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -27,8 +28,10 @@ from flwr.serverapp import Grid
 from flwr.serverapp import strategy as flwr_strategy
 from flwr.serverapp.strategy import Strategy
 
+from fedagg.aggregate import UpdateGuards
 from fedagg.errors import ConfigError, ProtocolError, explain
 from strategies.base import FedaggStrategy, RoundLog
+from strategies.fedavg import guard_updates
 from strategies.wire import arrays_to_record
 
 __all__ = ["StrategyWrapper", "inner_aggregate", "is_linear", "model_record_key"]
@@ -103,28 +106,49 @@ def as_reply(reply: Message, content: RecordDict) -> Message:
 
 def inner_aggregate(inner: Strategy, server_round: int,
                     updates: Sequence[tuple[list[np.ndarray], float, dict[str, Any], Message]],
-                    keys: list[str], current: list[np.ndarray], *, sites: int | None = None
+                    keys: list[str], current: list[np.ndarray], *, sites: int | None = None,
+                    guards: UpdateGuards | None = None, rejected: dict[str, str] | None = None
                     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
     """Hand checked deltas to ``inner``: directly, or as the train replies they imply.
 
     ``updates`` holds ``(delta, weight, metrics, original reply)``; ``current`` is the global
-    model the deltas are taken against (full precision).
+    model the deltas are taken against (full precision). fedagg's FedAvg applies its own
+    round-level guards (and says what they refused, added to ``rejected``); for any other
+    strategy ``guards`` (default: the defaults of :class:`fedagg.aggregate.UpdateGuards`) run
+    here, before the replies are built: norm bombs are refused and weights capped.
     """
+    out_rejected = rejected if rejected is not None else {}
     direct = getattr(inner, "aggregate_updates", None)
     if callable(direct) and not _overridden_after(type(inner), "aggregate_updates",
                                                   "aggregate_train"):
+        if isinstance(getattr(inner, "last_rejected", None), dict):
+            inner.last_rejected = {}  # type: ignore[attr-defined]
         out: tuple[ArrayRecord | None, MetricRecord | None] = direct(
             server_round, [(d, w, m, r.metadata.src_node_id) for d, w, m, r in updates],
             **({"sites": sites} if sites is not None else {}))
+        for who, why in dict(getattr(inner, "last_guarded", {}) or {}).items():
+            out_rejected.setdefault(str(who), why)
         return out
+    by_node = {r.metadata.src_node_id: r for _, _, _, r in updates}
+    kept, weights = guard_updates(
+        [(d, w, m, r.metadata.src_node_id) for d, w, m, r in updates],
+        guards if guards is not None else UpdateGuards(), current, deltas=True,
+        server_round=server_round, rejected=out_rejected)
     weight_key = str(getattr(inner, "weighted_by_key", "num-examples"))
     array_key = str(getattr(inner, "arrayrecord_key", "arrays"))
+    if weights and not sum(weights) <= 1e300:
+        top = max(weights)  # Flower divides by the sum: keep it finite (1e308 weights)
+        weights = [w / top for w in weights]
     replies = []
-    for delta, weight, metrics, reply in updates:
-        model = [(np.asarray(c, np.float64) + d).astype(np.asarray(c).dtype, copy=False)
-                 for c, d in zip(current, delta, strict=True)]
+    for (delta, _, metrics, node), weight in zip(kept, weights, strict=True):
+        reply = by_node[node]
+        with np.errstate(over="ignore", invalid="ignore"):
+            model = [(np.asarray(c, np.float64) + d).astype(np.asarray(c).dtype, copy=False)
+                     for c, d in zip(current, delta, strict=True)]
+        # Flower's aggregate_metricrecords adds whatever it is given: finite scalars only
         clean: dict[str, Any] = {k: v for k, v in metrics.items()
-                                 if isinstance(v, int | float) and not isinstance(v, bool)}
+                                 if isinstance(v, int | float) and not isinstance(v, bool)
+                                 and math.isfinite(v)}
         clean[weight_key] = float(weight)
         replies.append(as_reply(reply, RecordDict({array_key: arrays_to_record(model, keys),
                                                    "metrics": MetricRecord(clean)})))

@@ -14,7 +14,10 @@ from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
-from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+from flwr.supercore.inflatable.inflatable_object import (
+    get_all_nested_objects,
+    no_object_id_recompute,
+)
 from numpy.lib import format as npformat
 
 from fedagg.config import flatten, unflatten
@@ -33,8 +36,13 @@ __all__ = [
 
 
 def message_nbytes(message: Message) -> int:
-    """Serialized size of ``message`` in bytes (all distinct objects of its tree)."""
-    return sum(len(obj.deflate()) for obj in get_all_nested_objects(message).values())
+    """Serialized size of ``message`` in bytes (all distinct objects of its tree).
+
+    Object ids are computed once per object (Flower's ``no_object_id_recompute``, as its Grid
+    does when it pushes a message): the same bytes, about 5 times faster for a train message.
+    """
+    with no_object_id_recompute():
+        return sum(len(obj.deflate()) for obj in get_all_nested_objects(message).values())
 
 
 def arrays_to_record(arrays: Sequence[np.ndarray], keys: Sequence[str] | None = None) -> ArrayRecord:
