@@ -153,10 +153,12 @@ class BuiltinModel:
 
     name: str
     data: BuiltinData
+    params: int | None = None
+    """Parameter count of the ``wide`` model (``model.params``)."""
 
     def __call__(self) -> nn.Module:
         shape, classes = self.data.shape()
-        return build_model(self.name, shape, classes)
+        return build_model(self.name, shape, classes, params=self.params)
 
 
 def builtin_task(cfg: RunConfig, *, data_path: str | None = None) -> Task:
@@ -166,4 +168,4 @@ def builtin_task(cfg: RunConfig, *, data_path: str | None = None) -> Task:
                        seed=cfg.run.seed, partitioner=d.partitioner, alpha=d.dirichlet_alpha,
                        min_size=d.min_partition_size, max_train=d.max_train_examples,
                        eval_fraction=d.eval_fraction, data_path=data_path)
-    return Task(model=BuiltinModel(cfg.model.name, data), data=data)
+    return Task(model=BuiltinModel(cfg.model.name, data, cfg.model.params), data=data)

@@ -143,10 +143,25 @@ class DataConfig(_Section):
 class ModelConfig(_Section):
     """Model architecture."""
 
-    name: Literal["mlp", "2nn", "cnn", "logreg", "resnet"] = Field(
+    name: Literal["mlp", "2nn", "cnn", "logreg", "resnet", "wide"] = Field(
         "mlp", description="Reference model name ('2nn': McMahan et al. 2017's 784-200-200-10; "
-        "'resnet': a ResNet-10 with GroupNorm, 1.2M parameters, where data parallelism pays)."
+        "'resnet': a ResNet-10 with GroupNorm, 1.2M parameters, where data parallelism pays; "
+        "'wide': a synthetic large model of model.params parameters, for big-model runs)."
     )
+    params: int | None = Field(
+        None, ge=1, le=2**34,
+        description="Parameter count of the 'wide' model (one hidden layer as wide as it takes; "
+        "e.g. 100000000 for a 100M-parameter, 400 MB float32 run); None = 1,000,000. Only for "
+        "model.name = 'wide'.",
+    )
+
+    @model_validator(mode="after")
+    def _params_for_wide(self) -> ModelConfig:
+        if self.params is not None and self.name != "wide":
+            raise ValueError(f"model.params ({self.params}) sets the size of the 'wide' model "
+                             f"only, not of {self.name!r}; leave it unset or use "
+                             "model.name = 'wide'")
+        return self
 
 
 class TrainConfig(_Section):

@@ -7,6 +7,9 @@
 ``logreg`` multinomial logistic regression (a linear layer), useful for exact-math tests.
 ``resnet`` a ResNet-10 of BasicBlocks with GroupNorm (He et al. 2016; 1.23M parameters), the
          model on which data-parallel sites pay (see :class:`ResNet`).
+``wide``   a synthetic large model: one hidden layer as wide as it takes to reach
+         ``params`` parameters (``model.params``; 100M+ for the server's big-model runs,
+         docs/architecture/server-memory.md), see :func:`wide_width`.
 """
 
 from __future__ import annotations
@@ -20,7 +23,11 @@ from torch import nn
 
 from fedagg.errors import ConfigError, explain
 
-__all__ = ["MODELS", "build_model", "get_weights", "set_weights"]
+__all__ = ["MODELS", "WIDE_DEFAULT_PARAMS", "build_model", "get_weights", "set_weights",
+           "wide_width"]
+
+WIDE_DEFAULT_PARAMS = 1_000_000
+"""Parameters of the ``wide`` model when ``params`` is not given."""
 
 
 def _mlp(input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
@@ -184,19 +191,48 @@ def _resnet(input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
     return ResNet(input_shape, num_classes)
 
 
+def wide_width(input_shape: tuple[int, int, int], num_classes: int, params: int) -> int:
+    """Hidden width of the ``wide`` model with at least ``params`` parameters.
+
+    The model is ``Flatten -> Linear(d, h) -> ReLU -> Linear(h, c)`` with ``d`` inputs and
+    ``c`` classes: ``h (d + 1 + c) + c`` parameters, so ``h = ceil((params - c) / (d + 1 +
+    c))`` (at least 1). On digits (8x8, 10 classes) 100M parameters take ``h = 1,333,334``.
+    """
+    c_in, h, w = input_shape
+    d = c_in * h * w
+    return max(1, -(-(int(params) - num_classes) // (d + 1 + num_classes)))
+
+
+def _wide(input_shape: tuple[int, int, int], num_classes: int,
+          params: int = WIDE_DEFAULT_PARAMS) -> nn.Module:
+    """The synthetic large model (see :func:`wide_width`): a two-layer perceptron whose
+    hidden layer holds nearly all of ``params``; it trains like the ``mlp`` (a few steps per
+    round are enough for a server-side memory run) and costs ~2 x params FLOPs per example."""
+    c, h, w = input_shape
+    width = wide_width(input_shape, num_classes, params)
+    return nn.Sequential(nn.Flatten(), nn.Linear(c * h * w, width), nn.ReLU(),
+                         nn.Linear(width, num_classes))
+
+
 MODELS: dict[str, Callable[[tuple[int, int, int], int], nn.Module]] = {
     "mlp": _mlp,
     "2nn": _two_nn,
     "cnn": _cnn,
     "logreg": _logreg,
     "resnet": _resnet,
+    "wide": _wide,
 }
 
 
 def build_model(
-    name: str, input_shape: tuple[int, int, int], num_classes: int, *, seed: int | None = None
+    name: str, input_shape: tuple[int, int, int], num_classes: int, *, seed: int | None = None,
+    params: int | None = None,
 ) -> nn.Module:
-    """Build a model by name; with ``seed`` its initial weights are reproducible."""
+    """Build a model by name; with ``seed`` its initial weights are reproducible.
+
+    ``params`` sets the parameter count of the ``wide`` model (``model.params``); the other
+    models have a fixed size and refuse it.
+    """
     key = name.strip().lower()
     if key not in MODELS:
         raise ConfigError(
@@ -207,11 +243,25 @@ def build_model(
                 "set model to one of the known names",
             )
         )
+    if params is not None and key != "wide":
+        raise ConfigError(explain("model.params", params,
+                                  f"sets the size of the 'wide' model only, not of {key!r}",
+                                  "leave model.params unset, or use model.name = 'wide'"))
+    if params is not None and (isinstance(params, bool) or not isinstance(params, int)
+                               or params < 1):
+        raise ConfigError(explain("model.params", params, "must be an int >= 1",
+                                  "give the wide model's parameter count, e.g. 100000000"))
+
+    def make() -> nn.Module:
+        if key == "wide" and params is not None:
+            return _wide(input_shape, num_classes, params)
+        return MODELS[key](input_shape, num_classes)
+
     if seed is not None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            return MODELS[key](input_shape, num_classes)
-    return MODELS[key](input_shape, num_classes)
+            return make()
+    return make()
 
 
 def get_weights(model: nn.Module) -> list[npt.NDArray[np.float32]]:

@@ -37,6 +37,7 @@ from fedagg.aggregate import model_change_problem
 from fedagg.config import RunConfig, config_hash
 from fedagg.data import load_dataset
 from fedagg.errors import CheckpointError, ConfigError, RunFailed, explain
+from fedagg.memory import PeakMemory
 from fedagg.models import build_model, set_weights
 from fedagg.report import atomic_write_bytes, write_metrics, write_plot
 from fedagg.training import evaluate
@@ -124,7 +125,8 @@ def _initial(cfg: RunConfig, model_fn: ModelFn | None) -> tuple[Any, list[str], 
     else:
         ds = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir,
                           test_fraction=cfg.data.test_fraction, seed=cfg.run.seed)
-        model = build_model(cfg.model.name, ds.input_shape, ds.num_classes, seed=cfg.run.seed)
+        model = build_model(cfg.model.name, ds.input_shape, ds.num_classes, seed=cfg.run.seed,
+                            params=cfg.model.params)
     keys = list(model.state_dict().keys())
     arrays = arrays_to_record([t.detach().cpu().numpy().copy()
                                for t in model.state_dict().values()], keys)
@@ -326,6 +328,8 @@ def run_server(
     updated_any = any(r.get("model_updated") for r in records[1:])
     for rnd in range(start, cfg.run.rounds + 1):
         t0 = time.perf_counter()
+        memory = PeakMemory()  # this round's server-process peak RSS
+        memory.start()
         try:
             result = run_train_round(strategy, grid, rnd, arrays, client_config(cfg),
                                      round_deadline(cfg, rnd), retries=cfg.run.retries)
@@ -364,6 +368,9 @@ def run_server(
             _log.error("round %d: %s", rnd, result.errors["server-evaluate"], exc_info=True)
         if fed is not None:
             rec["federated_eval"] = {k: v for k, v in fed.items() if _finite_number(v)}
+        span = memory.stop()  # training, aggregation and evaluation
+        rec.update(server_rss_peak=span.peak, server_rss_start=span.start,
+                   server_rss_method=span.method)
         rec.update(
             bytes_up=result.bytes_up,
             bytes_down=result.bytes_down,

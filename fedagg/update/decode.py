@@ -15,11 +15,12 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from fedagg.accumulate import Sparse
 from fedagg.aggregate import global_norm
 from fedagg.compression import codec
 from fedagg.errors import CodecError, UpdateRejected, explain
 
-__all__ = ["check_delta", "decode_delta", "densify"]
+__all__ = ["check_delta", "decode_delta", "decode_sparse", "densify"]
 
 
 def check_delta(delta: Sequence[NDArray[Any]], *, site: str, max_norm: float | None) -> None:
@@ -81,6 +82,53 @@ def decode_delta(data: bytes, *, shapes: Sequence[tuple[int, ...]],
         raise UpdateRejected(f"{site}: undecodable payload: {exc}") from None
     check_delta(delta, site=site, max_norm=max_norm)
     return delta
+
+
+def decode_sparse(data: bytes, *, shapes: Sequence[tuple[int, ...]],
+                  support: Callable[[], NDArray[np.int64] | None], site: str = "site",
+                  max_norm: float | None = None) -> list[Any]:
+    """Decode one compressed update for streaming: sparse tensors stay sparse.
+
+    The same checks as :func:`decode_delta` (codec, shapes, the round's shared support,
+    finite values, the norm bound), but a sparse tensor comes back as
+    :class:`fedagg.accumulate.Sparse` (its sorted unique positions and float32 values, as the
+    codec checked them) instead of a dense copy, so the server folds ``nnz`` values per reply
+    (:meth:`fedagg.accumulate.Accumulator.fold`); dense tensors come back as float32 arrays.
+
+    Raises
+    ------
+    UpdateRejected
+        As :func:`decode_delta`.
+    """
+    numel = sum(int(np.prod(s)) for s in shapes)
+    try:
+        payload = codec.decode(data, max_elements=max(numel, 1))
+        want = [tuple(int(d) for d in s) for s in shapes]
+        if [tuple(s) for s in payload.shapes] != want:
+            raise UpdateRejected(explain(f"{site}.payload.shapes", payload.shapes[:4],
+                                         f"must equal the global model's {want[:4]}",
+                                         "compress the delta of the same architecture"))
+        if any(t.implicit_indices for t in payload.tensors):
+            sup = support()
+            if sup is None:
+                raise UpdateRejected(explain(f"{site}.payload", "shared-support tensors",
+                                             "this round has no shared support",
+                                             "site and server must use the same spec"))
+            payload = payload.with_support(sup)
+        out: list[Any] = []
+        for t in payload.tensors:
+            vals = t.float_values()
+            if t.is_dense:
+                out.append(vals.reshape(t.shape))
+            elif t.indices is None:  # pragma: no cover - with_support attached every support
+                raise UpdateRejected(f"{site}: a shared-support tensor without its support")
+            else:
+                out.append(Sparse(t.indices, vals))
+    except CodecError as exc:
+        raise UpdateRejected(f"{site}: undecodable payload: {exc}") from None
+    check_delta([u.values if isinstance(u, Sparse) else u for u in out], site=site,
+                max_norm=max_norm)
+    return out
 
 
 def densify(values: NDArray[Any], support: NDArray[np.int64] | None, dim: int

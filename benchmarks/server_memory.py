@@ -1,0 +1,288 @@
+"""Server peak memory vs the number of replies: fedagg streaming / sharded vs Flower's FedAvg.
+
+Every case aggregates the same N train replies (real Flower ``Message`` s, built one at a time
+by a generator, so no method gets its replies for free) of a model shaped like
+``model.name = "wide"`` on digits (``Linear(64, h)`` + ``Linear(h, 10)``, ``--params`` float32
+parameters). Each case runs in a fresh process (so the kernel's peak RSS belongs to it) and
+reports:
+
+* ``peak / model``: the process's peak RSS above its baseline (after imports, the global
+  model and, for sharded cases, the Ray actors were set up), in model sizes;
+* ``fold GB/s``: N x model bytes / the seconds spent aggregating (reply construction, timed
+  inside the generator, is subtracted);
+* ``private / object store``: the same peak split into this process's private memory
+  (RssAnon) and the Ray object-store pages it has mapped (RssShmem: shared memory owned by
+  Ray's store, counted once per machine), sampled every 2 ms;
+* for sharded cases each actor's peak RSS above its RSS at the start of the round.
+
+Methods: ``flower`` = ``flwr.serverapp.strategy.FedAvg().aggregate_train(1, replies)`` (it
+lists the valid replies, then sums them in float32); ``streaming`` = fedagg's per-reply check
+(``strategies.fedavg.validate_reply``) + :func:`strategies.streaming.fold_replies` into one
+:class:`fedagg.accumulate.Accumulator`, then the mean as an ArrayRecord; ``sharded<S>`` =
+the same into ``S`` Ray actors (:class:`server.sharded.ShardedAccumulator`); ``replies`` =
+the harness alone (replies built and dropped). Cases whose projected peak exceeds
+``--budget-gib`` are skipped and listed (Flower's grows with N: ~N + 2 models).
+
+Usage::
+
+    python benchmarks/server_memory.py                      # 10M and 100M, N = 4, 16, 64
+    python benchmarks/server_memory.py --params 1e7 --sites 4 16 --methods flower streaming
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CHUNK = 1 << 16  # elements of the repeated block replies are made of
+
+
+def shapes_of(params: int) -> list[tuple[int, ...]]:
+    """The tensors of the 'wide' model on digits with at least ``params`` parameters."""
+    from fedagg.models import wide_width
+
+    h = wide_width((1, 8, 8), 10, params)
+    return [(h, 64), (h,), (10, h), (10,)]
+
+
+def _array(shape: tuple[int, ...], block: np.ndarray):  # type: ignore[no-untyped-def]
+    """A Flower Array of ``block`` repeated over ``shape``: its bytes built in one allocation."""
+    from flwr.app import Array
+
+    from strategies.wire.arrays import _npy_header_bytes
+
+    n = int(np.prod(shape))
+    full, rest = divmod(n, block.size)
+    parts = [_npy_header_bytes("<f4", shape)] + [block.data.cast("B")] * full
+    if rest:
+        parts.append(block[:rest].data.cast("B"))
+    return Array(dtype="float32", shape=shape, stype="numpy.ndarray", data=b"".join(parts))
+
+
+def _reply(shapes: list[tuple[int, ...]], i: int):  # type: ignore[no-untyped-def]
+    from flwr.app import ArrayRecord, Message, Metadata, MetricRecord, RecordDict
+
+    block = (np.random.default_rng(i).normal(size=CHUNK) * 0.01).astype(np.float32)
+    rec = ArrayRecord({str(j): _array(s, block) for j, s in enumerate(shapes)})
+    md = Metadata(run_id=1, message_id=f"m{i}", src_node_id=i + 1, dst_node_id=0,
+                  reply_to_message_id=f"q{i}", group_id="1", created_at=time.time(),
+                  ttl=3600.0, message_type="train")
+    return Message(content=RecordDict({"arrays": rec, "metrics": MetricRecord(
+        {"num-examples": 10 + i})}), metadata=md)
+
+
+def replies(shapes: list[tuple[int, ...]], n: int, clock: list[float]) -> Iterator:  # type: ignore[type-arg]
+    """N train replies, made one at a time (construction time added to ``clock[0]``); the
+    generator keeps no reference to a reply it has handed out."""
+    for i in range(n):
+        t0 = time.perf_counter()
+        built = [_reply(shapes, i)]
+        clock[0] += time.perf_counter() - t0
+        yield built.pop()
+
+
+class AnonPeak:
+    """Sampled peak of this process's private (RssAnon) and shared (RssShmem) resident memory:
+    the kernel's VmHWM also counts the Ray object-store pages this process wrote or read."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        import threading
+
+        self.peak = {"RssAnon": 0, "RssShmem": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval,), daemon=True)
+        self.base = self._read()
+        self._thread.start()
+
+    @staticmethod
+    def _read() -> dict[str, int]:
+        out = {}
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key = line.split(":")[0]
+            if key in ("RssAnon", "RssShmem"):
+                out[key] = int(line.split()[1]) * 1024
+        return out
+
+    def _run(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            for k, v in self._read().items():
+                self.peak[k] = max(self.peak[k], v)
+
+    def stop(self) -> dict[str, int]:
+        self._stop.set()
+        self._thread.join()
+        return {k: max(self.peak[k] - self.base.get(k, 0), 0) for k in self.peak}
+
+
+def run_case(params: int, n: int, method: str) -> dict[str, object]:
+    """One case in this process; returns its measurements."""
+    from fedagg.memory import PeakMemory, current_rss
+
+    shapes = shapes_of(params)
+    model_bytes = 4 * sum(int(np.prod(s)) for s in shapes)
+    reference = [np.zeros(s, np.float32) for s in shapes]  # the global model (baseline)
+    for r in reference:
+        r.reshape(-1)[:] = 0.01
+    out: dict[str, object] = {"params": sum(int(np.prod(s)) for s in shapes), "sites": n,
+                              "method": method, "model_bytes": model_bytes}
+    sharded = None
+    if method.startswith("sharded"):
+        import ray
+
+        from fedagg.accumulate import ShardPlan
+        from server.sharded import ShardedAccumulator
+
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 object_store_memory=max(3 * model_bytes, 200 * 2**20))
+        sharded = ShardedAccumulator(ShardPlan.for_model(reference, int(method[7:])))
+    tiny = [(8, 64), (8,), (10, 8), (10,)]
+    aggregate(method, tiny, 2, [np.full(t, 0.01, np.float32) for t in tiny], sharded,
+              [0.0])  # warm-up: lazy imports and first calls happen before the baseline
+    clock = [0.0]
+    mem = PeakMemory()
+    mem.start()
+    base = current_rss() or 0
+    parts = AnonPeak()
+    t0 = time.perf_counter()
+    aggregate(method, shapes, n, reference, sharded, clock)
+    seconds = time.perf_counter() - t0
+    split = parts.stop()
+    span = mem.stop()
+    fold_s = max(seconds - clock[0], 1e-9)
+    out.update(peak_above_base=span.peak - base, peak_models=(span.peak - base) / model_bytes,
+               method_rss=span.method, seconds=seconds, build_seconds=clock[0],
+               fold_gbps=(n * model_bytes / fold_s / 1e9) if method != "replies" else None,
+               anon_peak_models=split["RssAnon"] / model_bytes,
+               shmem_peak_models=split["RssShmem"] / model_bytes)
+    if sharded is not None:
+        actors = sharded.actor_memory()
+        out["actors"] = actors
+        out["actor_peak_models"] = max((a["peak"] or 0) - (a["base"] or 0)
+                                       for a in actors) / model_bytes
+        out["actor_accumulator_models"] = max((a["accumulator"] or 0)
+                                              for a in actors) / model_bytes
+        out["actor_private_models"] = max((a["anon"] or 0) for a in actors) / model_bytes
+        sharded.close()
+    return out
+
+
+def aggregate(method: str, shapes: list[tuple[int, ...]], n: int,
+              reference: list[np.ndarray], sharded, clock: list[float]) -> None:  # type: ignore[no-untyped-def]
+    """Aggregate ``n`` replies with ``method`` (the measured part of a case)."""
+    from flwr.serverapp.strategy import FedAvg
+
+    from strategies.fedavg import validate_reply
+    from strategies.streaming import fold_replies, new_accumulator
+    from strategies.wire import arrays_to_record
+
+    keys = [str(j) for j in range(len(shapes))]
+    if method == "flower":
+        result, _ = FedAvg().aggregate_train(1, replies(shapes, n, clock))
+        assert result is not None
+        del result
+        return
+    if method == "replies":
+        for msg in replies(shapes, n, clock):
+            del msg
+        return
+    acc = new_accumulator(reference, sharded=sharded,
+                          shards=0 if sharded is None else sharded.shards)
+
+    def check(reply):  # type: ignore[no-untyped-def]
+        arrays, weight, metrics = validate_reply(reply, keys, reference)
+        return arrays, weight, dict(metrics)
+
+    fold = fold_replies(replies(shapes, n, clock), acc, check)
+    assert len(fold.folded) == n, fold.rejected
+    if sharded is not None:
+        record = sharded.mean_record(keys)  # joined from the shards' pieces: one copy
+    else:
+        mean = acc.mean()
+        del acc  # the in-process accumulator goes before the result is serialised
+        record = arrays_to_record(mean, keys)
+        del mean
+    del record
+
+
+def projected_gib(params: int, n: int, method: str) -> float:
+    """A generous projection of a case's peak (to skip what cannot fit)."""
+    model = 4 * params / 2**30
+    if method == "flower":
+        return (n + 3) * model
+    if method.startswith("sharded"):
+        return 6 * model  # server + actors + object store
+    return 5 * model
+
+
+def table(results: list[dict[str, object]]) -> str:
+    rows = ["| params | N | method | server peak above baseline (models) | of which private "
+            "/ object store (sampled) | fold GB/s | per actor: accumulator / peak above start "
+            "(models) | seconds |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "skipped" in r:
+            rows.append(f"| {r['params']:,} | {r['sites']} | {r['method']} | skipped: "
+                        f"{r['skipped']} | | | | |")
+            continue
+        gbps = f"{r['fold_gbps']:.2f}" if r.get("fold_gbps") else "-"
+        actor = (f"{r['actor_accumulator_models']:.2f} / {r['actor_peak_models']:.2f}"
+                 if "actor_peak_models" in r else "-")
+        rows.append(f"| {r['params']:,} | {r['sites']} | {r['method']} | "
+                    f"{r['peak_models']:.2f} | {r['anon_peak_models']:.2f} / "
+                    f"{r['shmem_peak_models']:.2f} | {gbps} | {actor} | {r['seconds']:.1f} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--params", type=float, nargs="+", default=[1e7, 1e8])
+    p.add_argument("--sites", type=int, nargs="+", default=[4, 16, 64])
+    p.add_argument("--methods", nargs="+",
+                   default=["replies", "flower", "streaming", "sharded2", "sharded4"])
+    p.add_argument("--budget-gib", type=float, default=12.0,
+                   help="skip cases projected above this peak (the machine is shared)")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--case", nargs=3, metavar=("PARAMS", "N", "METHOD"), help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.case:
+        print(json.dumps(run_case(int(float(a.case[0])), int(a.case[1]), a.case[2])))
+        return
+    results: list[dict[str, object]] = []
+    for params in (int(x) for x in a.params):
+        for n in a.sites:
+            for method in a.methods:
+                need = projected_gib(params, n, method)
+                if need > a.budget_gib:
+                    results.append({"params": params, "sites": n, "method": method,
+                                    "skipped": f"projected {need:.1f} GiB > --budget-gib "
+                                               f"{a.budget_gib:g}"})
+                    print(json.dumps(results[-1]), flush=True)
+                    continue
+                proc = subprocess.run([sys.executable, __file__, "--case", str(params), str(n),
+                                       method], capture_output=True, text=True,
+                                      env={**os.environ, "RAY_DEDUP_LOGS": "0"}, check=False)
+                line = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+                if proc.returncode or not line:
+                    results.append({"params": params, "sites": n, "method": method,
+                                    "skipped": f"failed (exit {proc.returncode}): "
+                                               f"{proc.stderr.strip().splitlines()[-1:]}"})
+                else:
+                    results.append(json.loads(line[-1]))
+                print(json.dumps(results[-1]), flush=True)
+    print(table(results))
+    if a.json:
+        a.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""Streaming aggregation, Flower-free: fold one checked update at a time, keep none.
+
+* :class:`Accumulator` — the running weighted sum of site updates: exact integer sums on a
+  fixed-point grid fixed before the round (:func:`grid_exponents`), so the result is the
+  same for every arrival order and every split into shards, bit for bit; dense or
+  :class:`Sparse` tensors (no dense copy per reply); 8 bytes per element; exact removal of a
+  fold (negative weight) and exact :meth:`Accumulator.merge`; ``state_dict``.
+* :class:`ShardPlan` — the model cut into ``S`` contiguous flat ranges, each tensor piece
+  addressed without copies, for sharded aggregation (one accumulator per shard; the Ray
+  actors in ``server/sharded.py``).
+* :class:`RoundStatistics` / :func:`delta_norm` — the statistics pass of the whole-round
+  checks (median weight, median delta norm): scalars per reply, never the updates.
+
+See docs/architecture/server-memory.md for the server's memory model.
+"""
+
+from fedagg.accumulate.exact import (
+    BLOCK,
+    DEFAULT_PRECISION_BITS,
+    Accumulator,
+    Sparse,
+    TensorSpec,
+    TensorUpdate,
+    grid_exponents,
+    max_abs,
+)
+from fedagg.accumulate.layout import Piece, ShardPlan
+from fedagg.accumulate.stats import MEDIAN_MIN_UPDATES, RoundStatistics, delta_norm
+
+__all__ = [
+    "BLOCK",
+    "DEFAULT_PRECISION_BITS",
+    "MEDIAN_MIN_UPDATES",
+    "Accumulator",
+    "Piece",
+    "RoundStatistics",
+    "ShardPlan",
+    "Sparse",
+    "TensorSpec",
+    "TensorUpdate",
+    "delta_norm",
+    "grid_exponents",
+    "max_abs",
+]

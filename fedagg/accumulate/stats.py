@@ -1,0 +1,176 @@
+"""The statistics pass of a streamed round: scalars per reply, never the updates.
+
+Checks that need the whole round — the median-relative norm guard ("norm bombs") and the
+weight cap at a multiple of the median weight (:class:`fedagg.aggregate.UpdateGuards`) —
+cannot be decided while replies are still arriving. A streamed round therefore records, as
+each reply is checked and folded, only its scalars (site, weight, delta L2 norm) in
+:class:`RoundStatistics`, O(1) memory per site. Once the round is closed the statistics give
+the same decisions as the list-based round guards (a norm above ``factor`` x the median
+refused, a weight above ``ratio`` x the median lowered to that cap); a reply that is refused or capped
+afterwards is corrected exactly in the integer accumulator by folding it again with weight
+``-w`` (or ``c - w``), which needs the reply once more (docs/architecture/server-memory.md:
+where it can be read again from).
+
+:func:`delta_norm` computes ``||x - reference||_2`` block by block, without the full-size
+difference that ``global_norm(subtract(x, reference))`` allocates.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from fedagg.accumulate.exact import BLOCK, Sparse, TensorUpdate
+from fedagg.errors import ConfigError, explain
+
+__all__ = ["MEDIAN_MIN_UPDATES", "RoundStatistics", "delta_norm"]
+
+MEDIAN_MIN_UPDATES = 3
+"""Fewest replies for the median-relative decisions (with two, the median is their mean and
+one site could not be told from the other); the list-based guards use the same number."""
+
+
+def delta_norm(update: Sequence[TensorUpdate],
+               reference: Sequence[npt.NDArray[Any]] | None = None, *,
+               block: int = BLOCK) -> float:
+    """L2 norm of ``update - reference`` (or of ``update``) over all tensors, in float64.
+
+    Parameters
+    ----------
+    update : sequence of ndarray or Sparse
+        A site's update; a :class:`~fedagg.accumulate.Sparse` tensor counts its values only
+        (it is a delta: zeros elsewhere), and is not allowed with ``reference``.
+    reference : sequence of ndarray, optional
+        The global model, when ``update`` is a whole model.
+    block : int
+        Elements per step (temporaries: two float64 blocks).
+
+    Returns
+    -------
+    float
+        The norm (``inf`` / ``nan`` for non-finite input).
+    """
+    total = 0.0
+    buf = np.empty(0, np.float64)
+    for j, u in enumerate(update):
+        if isinstance(u, Sparse):
+            if reference is not None:
+                raise ConfigError(explain(f"update[{j}]", "sparse",
+                                          "a sparse tensor is a delta: pass no reference",
+                                          "compute the norm of the delta"))
+            x = np.asarray(u.values).reshape(-1)
+            r = None
+        else:
+            x = np.asarray(u).reshape(-1)
+            r = None if reference is None else np.asarray(reference[j]).reshape(-1)
+        for s in range(0, x.size, block):
+            xb = x[s:s + block]
+            if buf.size < xb.size:
+                buf = np.empty(xb.size, np.float64)
+            b = buf[:xb.size]
+            with np.errstate(over="ignore", invalid="ignore"):
+                if r is None:
+                    np.copyto(b, xb, casting="unsafe")
+                else:
+                    np.subtract(xb, r[s:s + block], out=b, dtype=np.float64, casting="unsafe")
+                total += float(np.dot(b, b))
+    return math.sqrt(total) if total >= 0 else math.nan
+
+
+class RoundStatistics:
+    """Per-reply scalars of one round and the whole-round decisions made from them.
+
+    Nothing but ``(site, weight, norm)`` per reply is kept. The decisions are the list-based
+    round guards' (docs/reliability.md): at least :data:`MEDIAN_MIN_UPDATES` replies for the
+    median-relative ones, a non-finite norm always flagged, a factor or ratio <= 0 off.
+    """
+
+    def __init__(self) -> None:
+        self.sites: list[str] = []
+        self.weights: list[float] = []
+        self.norms: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self.sites)
+
+    def add(self, site: str | int, weight: float, norm: float) -> None:
+        """Record one reply's weight and delta norm (a site may appear once)."""
+        key = str(site)
+        if key in self.sites:
+            raise ConfigError(explain("site", key, "was already recorded this round",
+                                      "record each reply once (duplicates are refused "
+                                      "before folding)"))
+        self.sites.append(key)
+        self.weights.append(float(weight))
+        self.norms.append(float(norm))
+
+    def median_norm(self) -> float:
+        """Median of the finite norms (0.0 when there are none)."""
+        finite = [n for n in self.norms if math.isfinite(n)]
+        return float(np.median(finite)) if finite else 0.0
+
+    def median_weight(self) -> float:
+        """Median weight (0.0 for an empty round)."""
+        return float(np.median(self.weights)) if self.weights else 0.0
+
+    def norm_outliers(self, factor: float) -> list[str]:
+        """Sites whose norm is above ``factor`` x the median of the finite norms (and every
+        site with a non-finite norm), in recording order."""
+        n = np.asarray(self.norms, np.float64)
+        finite = np.isfinite(n)
+        bad = ~finite
+        if factor > 0 and n.size >= MEDIAN_MIN_UPDATES and finite.any():
+            limit = float(np.median(n[finite])) * float(factor)
+            bad |= finite & (n > limit)
+        return [self.sites[i] for i in np.flatnonzero(bad)]
+
+    def capped_weights(self, max_ratio: float, *, exclude: Sequence[str] = ()
+                       ) -> dict[str, tuple[float, float]]:
+        """``site -> (weight, capped weight)`` for the sites whose weight the cap lowers.
+
+        The median is taken over the sites not in ``exclude`` (the refused ones), as the
+        list-based guards cap the weights of the updates they kept.
+        """
+        skip = set(exclude)
+        keep = [i for i, s in enumerate(self.sites) if s not in skip]
+        if len(keep) < MEDIAN_MIN_UPDATES:
+            return {}
+        w = np.asarray([self.weights[i] for i in keep], np.float64)
+        if max_ratio <= 0:
+            return {}
+        cap = float(np.median(w)) * float(max_ratio)
+        if not math.isfinite(cap):
+            return {}
+        return {self.sites[keep[i]]: (float(w[i]), cap) for i in np.flatnonzero(w > cap)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain lists, for a checkpoint taken mid-round."""
+        return {"sites": list(self.sites), "weights": list(self.weights),
+                "norms": list(self.norms)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output.
+
+        Raises
+        ------
+        ConfigError
+            Lists of different lengths or non-numeric entries.
+        """
+        try:
+            sites = [str(s) for s in state["sites"]]
+            weights = [float(w) for w in state["weights"]]
+            norms = [float(n) for n in state["norms"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(explain("round statistics state", type(exc).__name__,
+                                      "must hold lists sites, weights, norms",
+                                      "restore an intact state")) from None
+        if not len(sites) == len(weights) == len(norms):
+            raise ConfigError(explain("round statistics state",
+                                      (len(sites), len(weights), len(norms)),
+                                      "lists must have one entry per site",
+                                      "restore an intact state"))
+        self.sites, self.weights, self.norms = sites, weights, norms
