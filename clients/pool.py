@@ -330,6 +330,7 @@ class ThreadPool(WorkerPool):
         self._data: SiteData | None = None
         self._data_key: Any = None
         self._threads: list[threading.Thread] = []
+        self.comms: list[Any] = []
 
     @property
     def size(self) -> int:
@@ -353,6 +354,7 @@ class ThreadPool(WorkerPool):
             if optimizer is not None:
                 st.pending_optimizer = optimizer
         self.group = InProcessGroup(len(self.states), timeout=self.site.worker_timeout * 1.5 + 5.0)
+        self.comms = self.group.communicators()  # kept: the reducers are bound to them
         self.generation += 1
         self._dirty = False
 
@@ -372,7 +374,7 @@ class ThreadPool(WorkerPool):
         assert self.group is not None
         k, group = len(self.states), self.group
         site_data = self._site_data(job, data)
-        comms = group.communicators()
+        comms = self.comms
         results: list[WorkerResult | None] = [None] * k
         failures: list[Failure] = []
         progress = Progress(k)
@@ -388,6 +390,8 @@ class ThreadPool(WorkerPool):
             except BaseException as exc:  # reported by the pool below
                 first = str(exc).splitlines()[0] if str(exc) else ""
                 with lock:
+                    if any(f.rank == rank and f.hung for f in failures):
+                        return  # the hung worker, stopped by the site: already reported
                     failures.append(Failure(
                         rank, f"raised {type(exc).__name__}: {first}",
                         traceback.format_exc(limit=-4),

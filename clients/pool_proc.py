@@ -1,9 +1,11 @@
 """The process-mode worker pool: K persistent ``python -m clients.pool_worker`` processes.
 
 :class:`ProcessPool` (see :mod:`clients.pool` for the round, the elasticity and the registry)
-starts its workers once, in a private directory (mode 0700, under ``$FEDAGG_SITE_TMPDIR`` if
-set, else the system's temporary directory) holding the control socket and a random key
-(0600). Each worker connects back and authenticates with the key (HMAC challenge of
+starts its workers once, with a private directory (mode 0700, under ``$FEDAGG_SITE_TMPDIR``
+if set, else the system's temporary directory) holding a random key (0600), the workers'
+logs and the control socket's address (on Linux an abstract unix socket, which has no file
+and no path-length limit; elsewhere a 0600 socket file in the directory). Each worker
+connects back and authenticates with the key (HMAC challenge of
 ``multiprocessing.connection``; nothing is unpickled before it), gets the pickled task once,
 and joins a torch.distributed group through a TCPStore this process hosts at a port the OS
 picks (one store per group generation). A round sends every worker the same pickled
@@ -49,13 +51,42 @@ from fedagg.config import SiteConfig
 from fedagg.errors import ConfigError, WorkerError, explain
 from fedagg.task import SiteData
 
-__all__ = ["ProcessPool", "worker_path"]
+__all__ = ["ProcessPool", "sweep_stale_pools", "worker_path"]
 
 _log = logging.getLogger(__name__)
 
 _ROOT = Path(__file__).resolve().parents[1]  # holds clients/ and fedagg/ (repo or app bundle)
 _CONSEQUENCE = ("CollectiveError", "CollectiveTimeout", "Connection closed", "Connection reset",
                 "gloo", "Broken pipe")
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def sweep_stale_pools(root: str | Path | None = None) -> int:
+    """Remove pool directories (this user's) whose controller process is gone.
+
+    A controller killed without a chance to clean up (SIGKILL, a Ray actor torn down with
+    its children) leaves its directory behind; its workers exit on their own. Called when a
+    pool starts and by ``fedagg simulate`` after the engine stopped. Returns the number removed.
+    """
+    base = Path(root or os.environ.get("FEDAGG_SITE_TMPDIR") or tempfile.gettempdir())
+    removed = 0
+    for d in base.glob("fedagg-*-pool-*"):
+        try:
+            if d.stat().st_uid != os.getuid():
+                continue
+            pid, started = (d / "owner").read_text().split()
+        except (OSError, ValueError):
+            continue
+        if _start_time(int(pid)) != started:
+            shutil.rmtree(d, ignore_errors=True)
+            removed += 1
+    return removed
 
 
 def worker_path() -> list[str]:
@@ -132,14 +163,24 @@ class ProcessPool(WorkerPool):
     def _open(self) -> Path:
         if self._dir is None:
             root = os.environ.get("FEDAGG_SITE_TMPDIR") or None
+            sweep_stale_pools(root)
             self._dir = Path(tempfile.mkdtemp(prefix=f"fedagg-{self.name}-pool-", dir=root))
             os.chmod(self._dir, 0o700)
+            (self._dir / "owner").write_text(f"{os.getpid()} {_start_time(os.getpid())}")
             key = secrets.token_bytes(32)
             fd = os.open(self._dir / "key", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "wb") as fh:
                 fh.write(key)
-            self._listener = Listener(str(self._dir / "ctl.sock"), family="AF_UNIX", authkey=key)
-            os.chmod(self._dir / "ctl.sock", 0o600)
+            if sys.platform.startswith("linux"):
+                # abstract namespace: no file, so no AF_UNIX path-length limit (108 bytes)
+                # under a long $FEDAGG_SITE_TMPDIR; access is the HMAC key in the 0700 dir
+                address = "\0fedagg-pool-" + secrets.token_hex(12)
+            else:
+                address = str(self._dir / "ctl.sock")
+            self._listener = Listener(address, family="AF_UNIX", authkey=key)
+            if not address.startswith("\0"):
+                os.chmod(address, 0o600)
+            (self._dir / "address").write_text(address)
             threading.Thread(target=self._accept, args=(self._listener,), daemon=True,
                              name=f"{self.name}-pool-accept").start()
         return self._dir

@@ -2,8 +2,8 @@
 
 Started by :class:`clients.pool_proc.ProcessPool`; it lives for the whole run and serves one
 command at a time from its controller over an authenticated local socket
-(``multiprocessing.connection``, HMAC challenge with the pool's key; the socket sits in the
-pool's private 0700 directory):
+(``multiprocessing.connection``, HMAC challenge with the key in the pool's private 0700
+directory):
 
 ``("setup", task, threads, device)``   unpickle the user's :class:`~fedagg.task.Task` (once)
 ``("group", gen, rank, world, port, timeout, layout, optimizer)``
@@ -36,13 +36,14 @@ import gc
 import logging
 import os
 import pickle
+import shutil
 import sys
 import threading
 import time
 import traceback
 from multiprocessing.connection import Client, Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -55,6 +56,14 @@ __all__ = ["main"]
 
 _log = logging.getLogger(__name__)
 _BEAT_S = 0.05
+_POOL_DIR: Path | None = None
+
+
+def _orphaned(code: int = 0) -> NoReturn:
+    """The controller is gone (killed?): remove the pool's directory it left, and exit."""
+    if _POOL_DIR is not None:
+        shutil.rmtree(_POOL_DIR, ignore_errors=True)
+    os._exit(code)
 
 
 class _Channel:
@@ -73,7 +82,7 @@ class _Channel:
             with self._lock:
                 self.conn.send_bytes(data)
         except OSError:
-            os._exit(0)  # the controller is gone: so is this worker
+            _orphaned()  # the controller is gone: so is this worker
 
     def progress(self, phase: str, step: int) -> None:
         self.counter += 1
@@ -88,11 +97,11 @@ class _Channel:
                 self.send(("progress", state))
 
 
-def _watch_parent(parent_pid: int) -> None:
+def _watch_parent(parent_pid: int) -> NoReturn:
     while True:
         time.sleep(0.5)
         if os.getppid() != parent_pid:
-            os._exit(3)
+            _orphaned(3)
 
 
 def _release(state: WorkerState) -> None:
@@ -136,7 +145,7 @@ def serve(chan: _Channel, conn: Connection) -> int:
         try:
             msg = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
-            return 0  # the controller closed the pool
+            _orphaned()  # the controller closed the connection without "stop": it is gone
         op = msg[0]
         if op == "setup":
             task = pickle.loads(msg[1])
@@ -184,13 +193,15 @@ def serve(chan: _Channel, conn: Connection) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: ``python -m clients.pool_worker POOL_DIR MEMBER PARENT_PID``."""
+    global _POOL_DIR
     args = sys.argv[1:] if argv is None else argv
     pool_dir, member, parent = Path(args[0]), int(args[1]), int(args[2])
+    _POOL_DIR = pool_dir
     logging.basicConfig(level=logging.WARNING,
                         format=f"worker {member}: %(levelname)s %(name)s: %(message)s")
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     key = (pool_dir / "key").read_bytes()
-    conn = Client(str(pool_dir / "ctl.sock"), family="AF_UNIX", authkey=key)
+    conn = Client((pool_dir / "address").read_text(), family="AF_UNIX", authkey=key)
     chan = _Channel(conn)
     chan.send(("hello", member, os.getpid()))
     threading.Thread(target=chan.beat, name="fedagg-heartbeat", daemon=True).start()

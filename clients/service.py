@@ -148,6 +148,10 @@ class WorkerService:
         return token
 
     def _bind(self) -> Listener:
+        if len(os.fsencode(self.path)) > 107:
+            raise ConfigError(explain("--socket", str(self.path),
+                                      "a unix socket path must be at most 107 bytes",
+                                      "pick a shorter path, e.g. /run/fedagg/<site>/workers.sock"))
         if self.path.exists():
             try:
                 with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:

@@ -14,7 +14,9 @@ Where the workers run:
   of this process (:func:`clients.pool.pool_for`), started at the first round and reused
   until the run ends -- the workers keep their process group, model, data, reducer layout and
   (``site.keep_optimizer``) optimizer state; a round sends only the global weights and the
-  round's settings.
+  round's settings. (A one-worker site keeps a pool only with ``site.keep_optimizer``.) A
+  pool holds its site's model and data: in a simulation of many multi-worker sites on few
+  Ray actors, ``site.persistent = false`` trades start-up time for memory.
 * ``worker_service`` (a SuperNode's ``worker-service`` node-config key): the site-local
   worker service an operator started next to the SuperNode (``fedagg site-workers``,
   :mod:`clients.service`), which holds the pool across Flower's per-message ClientApp
@@ -152,7 +154,10 @@ def run_site(job: WorkerJob, site: SiteConfig, *, name: str = "site", server_rou
     t0 = time.perf_counter()
     eff = _effective(site)
     job = with_site(job, eff, device or default_device(eff))
-    if owner is not None and eff.persistent:
+    # One worker keeps a pool only for its optimizer state: otherwise there is nothing to
+    # start, and a simulation of many one-worker sites would hold every site's data.
+    keep = eff.persistent and (eff.workers > 1 or eff.keep_optimizer)
+    if owner is not None and keep:
         identity, blob = task_identity(job.task)
         pool = pool_for(PoolKey(owner[0], owner[1], identity), eff, name=name, device=job.device,
                         task_blob=blob)

@@ -85,3 +85,39 @@ def child_pids() -> set[int]:
             out.add(int(d.name))
     return out
 
+
+
+def run(s: SiteSettings, weights: list[np.ndarray], *, owner: tuple[int, int] | None = None,
+        task: Any = None) -> SiteResult:
+    """One round as the ClientApp runs it for Flower run/node ``owner`` (persistent pool)."""
+    j = job(s, weights)
+    if task is not None:
+        j.task = task
+    return run_site(j, s.cfg.site, name=s.name, server_round=s.server_round, owner=owner)
+
+
+_owners = iter(range(10_000, 1_000_000))
+
+
+def new_owner(node: int = 1) -> tuple[int, int]:
+    """A Flower (run id, node id) no other test uses: its own pool in the registry."""
+    return next(_owners), node
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (not a zombie)."""
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def wait_gone(pids: list[int], timeout: float = 15.0) -> list[int]:
+    """Wait until none of ``pids`` runs; those still running after ``timeout``."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
