@@ -2,7 +2,7 @@
 
 One :class:`RunConfig` describes a whole run. It is read from a TOML file whose tables are the
 sections below (``[run]``, ``[data]``, ``[model]``, ``[train]``, ``[strategy]``, ``[site]``,
-``[compression]``, ``[secagg]``, ``[faults]``, ``[simulation]``), overridden by dotted ``key=value`` pairs
+``[compression]``, ``[secagg]``, ``[faults]``, ``[simulation]``, ``[asynchronous]``), overridden by dotted ``key=value`` pairs
 (``train.lr=0.05``), and validated with ``extra="forbid"``. Every validation error is turned
 into a :class:`~fedagg.errors.ConfigError` naming the field, the bad value, the rule and the fix.
 
@@ -21,11 +21,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tomllib
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fedagg.errors import ConfigError, explain
 
 __all__ = [
+    "AsynchronousConfig",
     "CompressionConfig",
     "DataConfig",
     "FaultsConfig",
@@ -412,6 +413,108 @@ class SimulationConfig(_Section):
     num_gpus: float = Field(0.0, ge=0, description="GPUs reserved per simulated ClientApp.")
 
 
+class AsynchronousConfig(_Section):
+    """Asynchronous and semi-asynchronous aggregation: FedBuff, deadline rounds (docs/asynchronous.md).
+
+    With ``mode = "fedbuff"`` or ``"deadline"`` the server runs the asynchronous loop
+    (``server/asynchronous.py``) instead of synchronous rounds; ``run.rounds`` is then the
+    number of model versions (buffers applied; deadline mode: rounds). The ``sim_*`` keys
+    describe simulated site speeds for the in-process grid with a virtual clock
+    (``server.delayed.DelayedGrid``, ``benchmarks/async.py``); Flower's engines ignore them.
+    """
+
+    mode: Literal["off", "fedbuff", "deadline"] = Field(
+        "off",
+        description="'off': synchronous rounds; 'fedbuff': buffered asynchronous aggregation "
+        "(Nguyen et al. 2022, Algorithm 1); 'deadline': synchronous rounds that close at "
+        "asynchronous.deadline and fold late updates into a later round with their staleness "
+        "weight.",
+    )
+    concurrency: int | None = Field(
+        None, ge=1,
+        description="FedBuff's C: sites training at once; None = run.sites x "
+        "run.fraction_train.",
+    )
+    buffer_size: int = Field(
+        10, ge=1,
+        description="FedBuff's K: updates folded before the buffer is applied (secure: the "
+        "cohort size, <= concurrency).",
+    )
+    weighting: Literal["examples", "uniform"] = Field(
+        "examples",
+        description="Buffer mean: 'examples' = sum w(s) n Delta / sum n (FedAvg's weights; "
+        "K = C = N without delays is synchronous FedAvg), 'uniform' = sum w(s) Delta / K "
+        "(the paper as written).",
+    )
+    staleness: Literal["constant", "polynomial", "hinge"] = Field(
+        "polynomial",
+        description="Staleness weight w(s): 'constant' 1, 'polynomial' (1 + s)^-a, 'hinge' 1 "
+        "up to b then 1 / (a (s - b) + 1) (Xie et al. 2019).",
+    )
+    staleness_a: float = Field(
+        0.5, ge=0, description="Exponent of 'polynomial' (0.5: FedBuff's 1/sqrt(1+s)) or slope "
+        "of 'hinge'."
+    )
+    staleness_b: int = Field(4, ge=0, description="Knee of 'hinge' (versions).")
+    max_staleness: int | None = Field(
+        10, ge=0,
+        description="Updates trained from a model more than this many versions old are "
+        "refused (named in metrics.json) and never reach the model; None = no bound.",
+    )
+    deadline: float = Field(
+        60.0, gt=0,
+        description="Deadline mode: seconds after its start at which a round aggregates what "
+        "arrived (earlier when every site of the round replied).",
+    )
+    cohort_quorum: float = Field(
+        1.0, gt=0, le=1,
+        description="Secure FedBuff: a cohort closes once this fraction of its sites uploaded "
+        "(the rest count as dropped and their masks are removed with Shamir shares; their "
+        "late uploads are refused), or at run.round_timeout.",
+    )
+    max_seconds: float | None = Field(
+        None, gt=0,
+        description="Stop once the run's clock (simulated or wall seconds) passes this, even "
+        "before run.rounds versions.",
+    )
+    poll: float = Field(
+        0.05, gt=0, description="Seconds between pulls for replies on a real Grid (wall clock)."
+    )
+    sim_job_seconds: float = Field(
+        10.0, ge=0,
+        description="Simulated seconds of one training job at speed factor 1 (0 with "
+        "sim_latency 0: zero delays).",
+    )
+    sim_sigma: float = Field(
+        0.5, ge=0, description="Lognormal sigma of each job's simulated delay multiplier."
+    )
+    sim_site_sigma: float = Field(
+        0.0, ge=0,
+        description="Lognormal sigma of the fixed per-site speed factors drawn for sites not in "
+        "sim_factors (0: all 1).",
+    )
+    sim_factors: list[float] = Field(
+        default_factory=list,
+        description="Fixed speed factors of sites 0, 1, ... (partition ids; 2 = twice as "
+        "slow); a comma-separated string is accepted.",
+    )
+    sim_latency: float = Field(
+        0.0, ge=0, description="Simulated seconds added to every message (network latency)."
+    )
+    sim_work: Literal["uniform", "examples"] = Field(
+        "uniform",
+        description="Simulated job length: the same for every site, or proportional to the "
+        "site's training examples (relative to the mean).",
+    )
+
+    @field_validator("sim_factors", mode="before")
+    @classmethod
+    def _factors_from_text(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [float(v) for v in value.replace(" ", "").split(",") if v]
+        return value
+
+
 class RunConfig(_Section):
     """The whole run configuration."""
 
@@ -425,6 +528,7 @@ class RunConfig(_Section):
     secagg: SecAggConfig = Field(default_factory=SecAggConfig)  # type: ignore[arg-type]
     faults: FaultsConfig = Field(default_factory=FaultsConfig)  # type: ignore[arg-type]
     simulation: SimulationConfig = Field(default_factory=SimulationConfig)  # type: ignore[arg-type]
+    asynchronous: AsynchronousConfig = Field(default_factory=AsynchronousConfig)  # type: ignore[arg-type]
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:

@@ -71,9 +71,12 @@ def make_app(
         else:
             out = new_run_dir(run_cfg)
         _log.info("fedagg run writing to %s", out)
-        run_server(grid, run_cfg, out,
-                   on_round=on_round if on_round is not None else _round_logger(run_cfg.run.rounds),
-                   model_fn=model_fn, evaluate_fn=evaluate_fn)
+        loop = run_server
+        if run_cfg.asynchronous.mode != "off":  # FedBuff / deadline rounds (docs/asynchronous.md)
+            from server.asynchronous import run_async_server as loop
+        loop(grid, run_cfg, out,
+             on_round=on_round if on_round is not None else _round_logger(run_cfg.run.rounds),
+             model_fn=model_fn, evaluate_fn=evaluate_fn)
 
     return server_app
 

@@ -30,13 +30,18 @@ def preflight(cfg: RunConfig, *, data: bool = True) -> None:
     ConfigError
         Unknown strategy or option (known ones listed), a compression spec that does not
         parse or cannot run under the strategy, secure aggregation around a non-linear
-        strategy or with too few sites per round, too many sites for the data.
+        strategy or with too few sites per round, too many sites for the data, an
+        ``[asynchronous]`` combination the asynchronous loop cannot run.
     DataError
         The data set's files are missing.
     """
     from strategies.registry import build_strategy
 
     build_strategy(cfg)  # names, options, wrappers, compression spec, SecAgg+ parameters
+    if cfg.asynchronous.mode != "off":
+        from server.async_dispatch import check_asynchronous
+
+        check_asynchronous(cfg)  # what the asynchronous loop cannot run (docs/asynchronous.md)
     if not data:
         return
     from fedagg.builtin import _dataset, _partitions

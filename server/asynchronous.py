@@ -1,0 +1,661 @@
+"""The asynchronous server loop: FedBuff and deadline rounds over Flower's Grid push / pull.
+
+Chosen by ``asynchronous.mode`` (:func:`server.runner.run_server` hands over to
+:func:`run_async_server`); the math and the state are Flower-free
+(:mod:`fedagg.asyncagg`), every message is built and every reply checked by the run's own
+strategies (:mod:`server.async_dispatch`).
+
+``fedbuff`` (Nguyen et al. 2022, Algorithm 1)
+    Keep ``C`` sites training (``push_messages``); pull replies as they arrive
+    (``pull_messages``), fold each checked update into the buffer with its staleness weight,
+    apply the buffer after ``K`` updates (a new model *version*) and dispatch the newest
+    model to every freed site. Under secure aggregation sites are dispatched ``K`` at a time
+    as a *cohort* that agrees SecAgg+ keys when dispatched; a cohort's masked uploads are one
+    buffer, unmasked as a sum (docs/protocols/async-secagg.md).
+``deadline``
+    Synchronous rounds with a deadline: round ``r`` dispatches the version of round ``r - 1``
+    to its sampled free sites and closes at ``asynchronous.deadline`` (or when all of them
+    replied); it applies what arrived, including late updates of earlier rounds with their
+    staleness weight.
+
+Events are handled one at a time in arrival order (ties: dispatch order), and freed sites are
+dispatched after every batch of simultaneous arrivals, so a run is a deterministic function
+of the seed and the arrival order. After every applied buffer the whole state (model,
+version, optimizer, buffer, in-flight dispatches and the models they train from) is
+checkpointed atomically; a resumed run sends the in-flight dispatches again (at their
+original times on a virtual clock), so it replays the same arrival order and the same
+versions as an uninterrupted run (tests/asynchronous/test_async_resume.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, Message
+from flwr.serverapp import Grid
+
+from fedagg.aggregate import ServerOptimizer, model_change_problem
+from fedagg.asyncagg import (
+    AsyncServerState,
+    Job,
+    StalenessWeight,
+    UpdateBuffer,
+    VirtualClock,
+    WallClock,
+)
+from fedagg.config import RunConfig
+from fedagg.data import load_dataset
+from fedagg.errors import ConfigError, RunFailed, UpdateRejected, explain
+from fedagg.models import set_weights
+from fedagg.report import atomic_write_bytes, write_metrics, write_plot
+from fedagg.training import evaluate
+from server.async_dispatch import (
+    CohortSink,
+    NodeView,
+    check_asynchronous,
+    cohort_strategy,
+    concurrency_of,
+    config_with_round,
+    decode_update,
+    job_strategy,
+)
+from server.checkpoint import save_checkpoint
+from server.runner import (
+    EvaluateFn,
+    ModelFn,
+    RoundCallback,
+    _initial,
+    client_config,
+    load_resume,
+    model_digest,
+    wait_for_sites,
+)
+from strategies.base import filter_replies
+from strategies.compressed import Compressed
+from strategies.fedavg import FedAvg, partition_of
+from strategies.secure import SecureAggregation
+from strategies.wire import arrays_to_record, message_nbytes, record_to_arrays
+
+__all__ = ["run_async_server"]
+
+_log = logging.getLogger(__name__)
+_KILL_ENV = "FEDAGG_TEST_KILL_AT"  # "<round>:after-apply" or "arrival:<n>" (tests)
+
+
+@dataclass
+class _Flight:
+    """A pushed message waiting for its reply."""
+
+    job: Job
+    strategy: Any  # FedAvg | Compressed | SecureAggregation of this dispatch
+    message: Message
+
+
+@dataclass
+class _CohortRun:
+    """An open secure cohort: its protocol instance and the uploads received so far."""
+
+    sec: SecureAggregation
+    sink: CohortSink
+    nodes: list[int]
+    replies: dict[int, Message] = field(default_factory=dict)
+
+
+@dataclass
+class _Tally:
+    """What happened since the last record (bytes, sites, refusals, errors)."""
+
+    t0: float = 0.0
+    wall0: float = field(default_factory=time.perf_counter)
+    bytes_up: int = 0
+    bytes_down: int = 0
+    dispatched: int = 0
+    replied: int = 0
+    refused: dict[str, str] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    loss: float = 0.0
+    loss_weight: float = 0.0
+    secagg: dict[str, Any] = field(default_factory=dict)
+
+
+def _kill_if(point: str) -> None:
+    if os.environ.get(_KILL_ENV) == point:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _AsyncRun:
+    """One asynchronous run (see the module docstring)."""
+
+    def __init__(self, grid: Grid, cfg: RunConfig, run_dir: str | Path | None,
+                 on_round: RoundCallback | None, model_fn: ModelFn | None,
+                 evaluate_fn: EvaluateFn | None) -> None:
+        check_asynchronous(cfg)
+        self.grid, self.cfg, self.on_round = grid, cfg, on_round
+        a = cfg.asynchronous
+        self.mode, self.secure = a.mode, bool(cfg.strategy.secure
+                                               or cfg.strategy.name.strip() == "secure")
+        self.out = Path(run_dir) if run_dir else None
+        self.model, self.keys, arrays = _initial(cfg, model_fn)
+        clock = getattr(grid, "clock", None)
+        self.clock: VirtualClock | WallClock = (clock if isinstance(clock, VirtualClock | WallClock)
+                                                else WallClock())
+        s = cfg.strategy
+        self.state = AsyncServerState(
+            record_to_arrays(arrays)[1],
+            buffer=UpdateBuffer(a.buffer_size if a.mode == "fedbuff" else 1, a.weighting),
+            staleness=StalenessWeight(a.staleness, a.staleness_a, a.staleness_b),
+            max_staleness=a.max_staleness,
+            optimizer=ServerOptimizer(s.server_optimizer, lr=s.server_lr, beta1=s.server_momentum),
+            seed=cfg.run.seed)
+        self.concurrency = concurrency_of(cfg)
+        self.job_timeout = float(cfg.run.round_timeout)
+        self.run_id = os.urandom(16)
+        self.flights: dict[str, _Flight] = {}
+        self.cohorts: dict[int, _CohortRun] = {}
+        self.records: list[dict[str, Any]] = []
+        self.tally = _Tally()
+        self.arrivals = 0
+        self._records_of: dict[int, ArrayRecord] = {}
+        self._eval = self._evaluator(evaluate_fn, model_fn)
+
+    # -- evaluation, records, checkpoints --------------------------------------------------------
+    def _evaluator(self, evaluate_fn: EvaluateFn | None, model_fn: ModelFn | None
+                   ) -> EvaluateFn | None:
+        if evaluate_fn is not None or model_fn is not None:
+            return evaluate_fn
+        cfg = self.cfg
+        ds = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir,
+                          test_fraction=cfg.data.test_fraction, seed=cfg.run.seed)
+
+        def central(rec: ArrayRecord) -> tuple[float, float] | None:
+            set_weights(self.model, record_to_arrays(rec)[1])
+            return evaluate(self.model, ds.x_test, ds.y_test)
+
+        return central
+
+    def _evaluated(self) -> tuple[float | None, float | None]:
+        res = self._eval(self._record(self.state.version)) if self._eval is not None else None
+        return (None, None) if res is None else (float(res[0]), float(res[1]))
+
+    def _record(self, version: int) -> ArrayRecord:
+        """The ArrayRecord of ``version`` (one per version, shared by its dispatches)."""
+        rec = self._records_of.get(version)
+        if rec is None:
+            rec = arrays_to_record(self.state.model_of(version), self.keys)
+            self._records_of = {v: r for v, r in self._records_of.items()
+                                if v in {j.version for j in self.state.jobs.values()}}
+            self._records_of[version] = rec
+        return rec
+
+    def _checkpoint(self) -> None:
+        if self.out is None or not self.cfg.run.checkpoint:
+            return
+        self.state.now = self.clock.now()
+        save_checkpoint(self.out, round=len(self.records) - 1, cfg=self.cfg, keys=self.keys,
+                        arrays=self.state.model, records=self.records,
+                        strategy_state={"asynchronous": self.state.state_dict(),
+                                        "run_id": self.run_id})
+
+    def _emit(self, rec: dict[str, Any]) -> None:
+        self.records.append(rec)
+        if self.out is not None:
+            write_metrics(self.out, self.records)
+        if self.on_round is not None:
+            self.on_round(rec)
+
+    def _new_record(self, committed: bool, summary: str) -> dict[str, Any]:
+        """The record of one applied (or refused) buffer; resets the tally."""
+        t, now = self.tally, self.clock.now()
+        rnd = len(self.records)
+        rec: dict[str, Any] = {"round": rnd, "version": self.state.version, "mode": self.mode,
+                               "accuracy": None, "loss": None,
+                               "model_digest": model_digest(self._record(self.state.version)),
+                               "model_updated": committed, "time": now,
+                               "seconds": now - t.t0, "wall_seconds": time.perf_counter() - t.wall0,
+                               "bytes_up": t.bytes_up, "bytes_down": t.bytes_down,
+                               "sites_sampled": t.dispatched, "sites_replied": t.replied,
+                               "sites_failed": len(t.errors), "sites_rejected": len(t.refused),
+                               "in_flight": len(self.flights)}
+        if rnd % self.cfg.run.evaluate_every == 0 or rnd >= self.cfg.run.rounds:
+            t1 = time.perf_counter()
+            loss, acc = self._evaluated()
+            rec.update(accuracy=acc, loss=loss, seconds_eval=time.perf_counter() - t1)
+        if t.loss_weight > 0:
+            rec["train_loss"] = t.loss / t.loss_weight
+        rec.update(t.secagg)
+        if t.refused:
+            rec["rejected"] = dict(t.refused)
+        if t.errors:
+            rec["errors"] = dict(t.errors)
+        if summary:
+            rec["summary"] = summary
+        self.tally = _Tally(t0=now)
+        return rec
+
+    def _take(self) -> dict[str, Any]:
+        """Apply the buffer (model-integrity checked); the record of it (not yet emitted)."""
+        max_change = self.cfg.strategy.max_model_change
+
+        def check(new: list[np.ndarray], old: list[np.ndarray]) -> str:
+            return model_change_problem(new, old, max_change=max_change)
+
+        applied = self.state.apply(check)
+        res = applied.result
+        summary = ""
+        if not applied.committed:
+            summary = (f"round {len(self.records)}: the aggregated model was not committed "
+                       f"(global model unchanged at version {self.state.version}): "
+                       f"{applied.problem}")
+            self.tally.refused["server"] = summary
+            _log.error("%s", summary)
+        rec = self._new_record(applied.committed, summary)
+        hist = res.staleness_histogram()
+        stale = [e.staleness for e in res.entries for _ in range(e.count)]
+        rec.update(updates=res.count, staleness=hist,
+                   staleness_mean=float(np.mean(stale)) if stale else 0.0,
+                   staleness_max=max(stale, default=0),
+                   sites=[e.partition for e in res.entries if e.partition >= 0])
+        _log.info("async %s: version %d from %d updates (staleness %s), %d in flight",
+                  self.mode, self.state.version, res.count, hist, len(self.flights))
+        return rec
+
+    def _apply(self) -> None:
+        """FedBuff: apply the buffer, record, checkpoint."""
+        rec = self._take()
+        self._emit(rec)
+        _kill_if(f"{rec['round']}:after-apply")
+        self._checkpoint()
+
+    @property
+    def done(self) -> bool:
+        if len(self.records) - 1 >= self.cfg.run.rounds:
+            return True
+        limit = self.cfg.asynchronous.max_seconds
+        return limit is not None and self.clock.now() >= limit
+
+    # -- dispatch ---------------------------------------------------------------------------------
+    def _push(self, job: Job, strategy: Any, message: Message) -> None:
+        self.tally.bytes_down += message_nbytes(message)
+        self.tally.dispatched += 1
+        [mid] = list(self.grid.push_messages([message]))
+        self.flights[mid] = _Flight(job, strategy, message)
+
+    def _send_job(self, job: Job) -> None:
+        """Build (with a fresh FedAvg / Compressed) and push the train message of ``job``."""
+        strategy = job_strategy(self.cfg)
+        config = config_with_round(client_config(self.cfg), job.server_round)
+        msgs = list(strategy.configure_train(job.server_round, self._record(job.version), config,
+                                             NodeView(self.grid, [job.node])))
+        if len(msgs) != 1:
+            raise ConfigError(explain("dispatch", len(msgs), "must be one message per site",
+                                      "check strategy.options"))
+        self._push(job, strategy, msgs[0])
+
+    def _send_cohort(self, cohort_id: int) -> None:
+        """Key a cohort (SecAgg+ setup over its sites) and push its masked-upload requests."""
+        c = self.state.cohorts[cohort_id]
+        sec, sink = cohort_strategy(self.cfg, self.run_id, c.cohort, c.attempt, self.job_timeout)
+        config = config_with_round(client_config(self.cfg), c.server_round)
+        msgs = list(sec.configure_train(c.server_round, self._record(c.version), config,
+                                        NodeView(self.grid, c.members)))
+        log = sec.round_log
+        if not msgs:
+            self.state.close_cohort(cohort_id)
+            self.tally.bytes_up += log.bytes_up
+            self.tally.bytes_down += log.bytes_down
+            for node, why in log.failed.items():
+                self.tally.errors[str(node)] = why
+            self.tally.errors[f"cohort {cohort_id}"] = log.aborted or "no site could be keyed"
+            _log.warning("cohort %d: %s", cohort_id, log.aborted)
+            return
+        run = _CohortRun(sec, sink, [m.metadata.dst_node_id for m in msgs])
+        self.cohorts[cohort_id] = run
+        for m in msgs:
+            job = self.state.dispatch(m.metadata.dst_node_id, self.clock.now(),
+                                      server_round=c.server_round, cohort=cohort_id)
+            self._push(job, sec, m)
+
+    def _nodes(self) -> list[int]:
+        return sorted(int(n) for n in self.grid.get_node_ids())
+
+    def _fill(self) -> None:
+        """FedBuff: dispatch the newest model to free sites until ``C`` are busy."""
+        if self.mode != "fedbuff" or self.done:
+            return
+        while True:
+            busy = self.state.busy()
+            free = [n for n in self._nodes() if n not in busy]
+            if self.secure:
+                # C counts the sites of open cohorts; a late member of a closed cohort stays
+                # busy (it is not sent anything until it answers) but no longer holds a slot
+                k = self.cfg.asynchronous.buffer_size
+                active = sum(len(c.members) for c in self.state.cohorts.values())
+                if len(free) < k or active + k > self.concurrency:
+                    return
+                cohort = self.state.open_cohort(self.state.choose(free, k, "cohort"),
+                                                self.clock.now())
+                self._send_cohort(cohort.cohort)
+            else:
+                if not free or len(busy) >= self.concurrency:
+                    return
+                [node] = self.state.choose(free, 1, "fedbuff")
+                self._send_job(self.state.dispatch(node, self.clock.now()))
+
+    def _start_round(self) -> None:
+        """Deadline mode: open the next round and dispatch it to its sampled free sites."""
+        st = self.state
+        st.round += 1
+        st.round_started = self.clock.now()
+        nodes = self._nodes()
+        k = max(int(len(nodes) * self.cfg.run.fraction_train), 1)
+        busy = st.busy()
+        for node in st.choose(nodes, k, f"round-{st.round}"):
+            if node not in busy:
+                self._send_job(st.dispatch(node, self.clock.now(), server_round=st.round))
+
+    # -- replies ----------------------------------------------------------------------------------
+    def _pull(self) -> list[Message]:
+        if not self.flights:
+            return []
+        got = list(self.grid.pull_messages(list(self.flights)))
+        kept, refused = filter_replies([f.message for f in self.flights.values()], got)
+        self.tally.refused.update(refused)
+        order = {mid: f.job.job for mid, f in self.flights.items()}
+        return sorted(kept, key=lambda r: order.get(r.metadata.reply_to_message_id, 0)) \
+            if not self.clock.virtual else kept  # a DelayedGrid returns arrival order
+
+    def _handle(self, reply: Message) -> None:
+        flight = self.flights.pop(reply.metadata.reply_to_message_id)
+        job = self.state.arrive(flight.job.job)
+        node = str(job.node)
+        self.arrivals += 1
+        self.tally.bytes_up += message_nbytes(reply)
+        if isinstance(flight.strategy, SecureAggregation):
+            self._handle_upload(job, reply)
+        elif reply.has_error():
+            self.tally.errors[node] = reply.error.reason or "error reply"
+        else:
+            self._handle_update(job, flight.strategy, reply)
+        _kill_if(f"arrival:{self.arrivals}")
+
+    def _handle_update(self, job: Job, strategy: FedAvg | Compressed, reply: Message) -> None:
+        node = str(job.node)
+        try:
+            self.state.admit(job.version, f"node {node}")  # refuse stale updates before decoding
+            inner = strategy.inner if isinstance(strategy, Compressed) else strategy
+            assert isinstance(inner, FedAvg)
+            delta, weight, metrics = decode_update(strategy, reply, job.server_round,
+                                                   inner.current_global[1])
+            entry = self.state.fold(delta, node=job.node, partition=partition_of(metrics),
+                                    job=job.job, version=job.version, weight=weight)
+        except UpdateRejected as exc:
+            self.tally.refused[node] = str(exc)
+            _log.warning("refused update: %s", exc)
+            return
+        self.tally.replied += 1
+        loss = metrics.get("train_loss", metrics.get("train-loss"))
+        if isinstance(loss, int | float) and math.isfinite(loss):
+            self.tally.loss += float(loss) * weight
+            self.tally.loss_weight += weight
+        if self.mode == "fedbuff" and self.state.buffer.full:
+            self._apply()
+        _log.debug("folded node %s (staleness %d)", node, entry.staleness)
+
+    def _handle_upload(self, job: Job, reply: Message) -> None:
+        run = self.cohorts.get(job.cohort)
+        if run is None:
+            self.tally.refused[str(job.node)] = (
+                f"node {job.node}: masked upload for cohort {job.cohort} arrived after the cohort "
+                "closed: it was counted as dropped, its masks were removed with Shamir shares, "
+                "and its update, under its own self mask, is never unmasked")
+            return
+        run.replies[job.node] = reply
+        uploaded = sum(1 for r in run.replies.values() if not r.has_error())
+        if len(run.replies) >= len(run.nodes) or uploaded >= self._quorum(len(run.nodes)):
+            self._close_cohort(job.cohort)
+
+    def _quorum(self, n: int) -> int:
+        return max(math.ceil(self.cfg.asynchronous.cohort_quorum * n - 1e-9), 1)
+
+    def _close_cohort(self, cohort_id: int) -> None:
+        """Unmask the cohort's sum (Shamir recovery of its dropped / late sites); fold, apply."""
+        run = self.cohorts.pop(cohort_id)
+        c = self.state.close_cohort(cohort_id)
+        replies = [r for r in run.replies.values()]
+        self.tally.replied += sum(1 for r in replies if not r.has_error())
+        run.sec.aggregate_train(c.server_round, replies)
+        log = run.sec.round_log
+        self.tally.bytes_up += log.bytes_up
+        self.tally.bytes_down += log.bytes_down
+        uploaded = sum(1 for r in replies if not r.has_error())
+        for node, why in log.failed.items():
+            if node not in run.replies:  # closed before it uploaded: late, not failed
+                why = (f"cohort {cohort_id} closed ({uploaded} of {len(run.nodes)} uploads, "
+                       f"asynchronous.cohort_quorum = {self.cfg.asynchronous.cohort_quorum}) "
+                       "before this site uploaded: counted as dropped, its masks removed with "
+                       "Shamir shares")
+            self.tally.errors.setdefault(str(node), why)
+        for who, why in log.rejected.items():
+            self.tally.refused.setdefault(str(who), why)
+        result = run.sec.last_result
+        if run.sink.captured is None or result is None:
+            why = log.aborted or "secure aggregation returned no aggregate"
+            self.tally.errors[f"cohort {cohort_id}"] = why
+            _log.warning("cohort %d: %s", cohort_id, why)
+            return
+        delta, weight, _, sites = run.sink.captured
+        self.tally.secagg = {
+            "cohort": cohort_id, "cohort_version": c.version, "cohort_round": c.server_round,
+            "cohort_nodes": sorted(run.sec.sites.node(i) for i in result.counted),
+            "secagg_counted": len(result.counted), "secagg_dropped": len(result.dropped),
+            "secagg_error_bound": float(result.error_bound)}
+        try:
+            self.state.fold(delta, node=-1, partition=-1, job=cohort_id, version=c.version,
+                            weight=weight, count=sites)
+        except UpdateRejected as exc:
+            self.tally.refused[f"cohort {cohort_id}"] = str(exc)
+            return
+        self._apply()
+
+    # -- time --------------------------------------------------------------------------------------
+    def _expire(self) -> None:
+        """Give up on dispatches past ``run.round_timeout``; close cohorts that waited as long."""
+        now = self.clock.now()
+        for mid, f in list(self.flights.items()):
+            if now >= f.job.dispatched_at + self.job_timeout:
+                del self.flights[mid]
+                self.state.arrive(f.job.job)
+                self.tally.errors[str(f.job.node)] = (f"no reply within run.round_timeout = "
+                                                      f"{self.job_timeout:g} s")
+        for cid in list(self.cohorts):
+            c = self.state.cohorts[cid]
+            if now >= c.started_at + self.job_timeout:
+                self._close_cohort(cid)
+
+    def _deadline(self) -> None:
+        """Deadline mode: close the round at its deadline (or when all its sites replied).
+
+        The round's buffer (its own updates and late ones of earlier rounds, each with its
+        staleness weight) is applied, the next round is dispatched from the new version, and
+        then the record and the checkpoint (which so holds the next round's dispatches) are
+        written.
+        """
+        st = self.state
+        if self.mode != "deadline" or self.done:
+            return
+        if st.round == 0:
+            self._start_round()
+            self._checkpoint()
+            return
+        mine = any(f.job.server_round == st.round for f in self.flights.values())
+        sent = any(v == st.round for v in st.site_rounds.values())
+        over = self.clock.now() >= st.round_started + self.cfg.asynchronous.deadline
+        if not over and (mine or not sent):
+            return
+        need = max(self.cfg.run.min_sites, 1)
+        if st.buffer.count >= need:
+            rec = self._take()
+        else:
+            why = (f"{st.buffer.count} update(s) by the deadline < run.min_sites = {need}"
+                   + (" (kept for the next round)" if st.buffer.count else ""))
+            rec = self._new_record(False, f"round {len(self.records)}: nothing aggregated: {why}")
+            rec.update(updates=0, staleness={})
+            _log.warning("%s", rec["summary"])
+        self._emit(rec)
+        _kill_if(f"{rec['round']}:after-apply")
+        if not self.done:
+            self._start_round()
+        self._checkpoint()
+
+    def _wait(self) -> None:
+        now = self.clock.now()
+        targets = [f.job.dispatched_at + self.job_timeout for f in self.flights.values()]
+        targets += [self.state.cohorts[c].started_at + self.job_timeout for c in self.cohorts]
+        if self.mode == "deadline" and self.state.round:
+            targets.append(self.state.round_started + self.cfg.asynchronous.deadline)
+        if self.cfg.asynchronous.max_seconds is not None:
+            targets.append(self.cfg.asynchronous.max_seconds)
+        nxt = getattr(self.grid, "next_arrival", None)
+        if callable(nxt):
+            t = nxt(list(self.flights))
+            if t is not None:
+                targets.append(float(t))
+        if not self.flights and not any(t > now for t in targets):
+            raise RunFailed(f"asynchronous run stalled at version {self.state.version}: no "
+                            "dispatch in flight and no site free to dispatch to", self.records)
+        self.clock.wait_until(min(targets) if targets else now + self.cfg.asynchronous.poll,
+                              poll=self.cfg.asynchronous.poll)
+
+    # -- resume ------------------------------------------------------------------------------------
+    def _resume(self) -> None:
+        ckpt = load_resume(self.cfg, self.keys, self.state.model)
+        state = ckpt.strategy_state or {}
+        if "asynchronous" not in state:
+            raise ConfigError(explain("--resume", str(self.cfg.run.resume),
+                                      "holds a synchronous run's checkpoint",
+                                      "resume it with asynchronous.mode = 'off'"))
+        self.state.load_state_dict(state["asynchronous"])
+        self.run_id = bytes(state["run_id"])
+        self.records = list(ckpt.records)
+        for old in self.records:
+            if self.on_round is not None:
+                self.on_round(old)
+        now = self.state.now
+        replays: list[tuple[float, int, Any]] = []
+        for job in self.state.jobs.values():
+            if job.cohort < 0:
+                replays.append((job.dispatched_at, job.job, job))
+        for c in list(self.state.cohorts.values()):
+            for j in [j for j in self.state.jobs.values() if j.cohort == c.cohort]:
+                self.state.arrive(j.job)  # the protocol state is not checkpointed: re-key
+            self.state.cohorts[c.cohort] = dataclasses.replace(c, attempt=c.attempt + 1)
+            replays.append((c.started_at, -c.cohort, c.cohort))
+        for t, _, item in sorted(replays, key=lambda x: (x[0], x[1] if x[1] > 0 else 0)):
+            if isinstance(self.clock, VirtualClock):
+                self.clock.set(t)  # the same arrival times as before the crash
+            else:
+                self.clock.set(now)
+            if isinstance(item, Job):
+                if not isinstance(self.clock, VirtualClock):
+                    item = dataclasses.replace(item, dispatched_at=now)
+                    self.state.jobs[item.job] = item
+                self._send_job(item)
+            else:
+                self._send_cohort(int(item))
+        self.clock.set(now)
+        self.tally = _Tally(t0=self.records[-1].get("time", now) if self.records else now)
+        _log.info("resuming asynchronous run at version %d (%d dispatches sent again)",
+                  self.state.version, len(self.flights))
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def run(self) -> list[dict[str, Any]]:
+        cfg = self.cfg
+        if cfg.run.resume:
+            self._resume()
+        if self.out is not None:
+            self.out.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(self.out / "config.json", cfg.model_dump_json(indent=2).encode())
+        wait_for_sites(self.grid, cfg)
+        if not cfg.run.resume:
+            loss0, acc0 = self._evaluated()
+            self._emit({"round": 0, "version": 0, "mode": self.mode, "accuracy": acc0,
+                        "loss": loss0, "bytes_up": 0, "bytes_down": 0, "seconds": 0.0,
+                        "time": self.clock.now(), "model_updated": False,
+                        "model_digest": model_digest(self._record(0))})
+            self.tally = _Tally(t0=self.clock.now())
+            self._checkpoint()
+        while not self.done:
+            for reply in self._pull():
+                if reply.metadata.reply_to_message_id in self.flights:
+                    self._handle(reply)
+                if self.done:
+                    break
+            if self.done:
+                break
+            self._expire()
+            self._deadline()
+            self._fill()
+            if self.done:
+                break
+            if not self._due():
+                self._wait()
+        self._finish()
+        return self.records
+
+    def _due(self) -> bool:
+        """Whether a reply is already due (a DelayedGrid says; on a real grid: pull again)."""
+        nxt = getattr(self.grid, "next_arrival", None)
+        if not callable(nxt) or not self.flights:
+            return False
+        t = nxt(list(self.flights))
+        return t is not None and t <= self.clock.now()
+
+    def _finish(self) -> None:
+        if self.out is not None:
+            write_metrics(self.out, self.records)
+            named: dict[str, Any] = dict(zip(self.keys, self.state.model, strict=True))
+            np.savez(self.out / "model.npz", **named)
+            from fedagg.task import set_weights as load_arrays
+
+            load_arrays(self.model, self.state.model)
+            path = self.out / "model.pt"
+            torch.save(self.model.state_dict(), path.with_suffix(".pt.tmp"))
+            path.with_suffix(".pt.tmp").replace(path)
+            write_plot(self.out, self.records, title=f"{self.cfg.run.name}: {self.mode} "
+                       f"({self.cfg.strategy.name}) on {self.cfg.data.dataset}")
+        if not any(r.get("model_updated") for r in self.records[1:]):
+            summaries = [r["summary"] for r in self.records[1:] if r.get("summary")]
+            raise RunFailed("no buffer of the asynchronous run changed the global model:\n  "
+                            + "\n  ".join(summaries[-10:] or ["(no update arrived)"]),
+                            self.records)
+
+
+def run_async_server(grid: Grid, cfg: RunConfig, run_dir: str | Path | None, *,
+                     on_round: RoundCallback | None = None, model_fn: ModelFn | None = None,
+                     evaluate_fn: EvaluateFn | None = None) -> list[dict[str, Any]]:
+    """Run ``run.rounds`` asynchronous versions (FedBuff) or deadline rounds.
+
+    Same parameters, outputs (``metrics.json`` with one record per applied buffer,
+    ``checkpoint.npz``, ``model.npz`` / ``model.pt``, the plot) and errors as
+    :func:`server.runner.run_server`, which calls it when ``asynchronous.mode`` is not
+    ``"off"``. The clock is the Grid's (``DelayedGrid.clock``, simulated time) or the wall
+    clock.
+
+    Raises
+    ------
+    ConfigError
+        A combination the asynchronous loop cannot run (:func:`check_asynchronous`).
+    RunFailed
+        No buffer changed the model, or the run stalled.
+    """
+    return _AsyncRun(grid, cfg, run_dir, on_round, model_fn, evaluate_fn).run()
