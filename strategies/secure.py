@@ -30,7 +30,9 @@ and the run continues with the next round. See docs/protocols/secagg.md.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import gc
 import logging
 import math
 import os
@@ -338,6 +340,18 @@ class SecureAggregation(StrategyWrapper):
             self.params = params
             self.server.params = params
 
+    def _roster_fits(self, roster: int, sampled: int) -> bool:
+        """Whether an epoch keyed over ``roster`` sites can serve rounds of ``sampled``: its
+        ``t`` (resolved for the roster's ``k``) needs ``t`` neighbours among the sampled."""
+        assert self.params is not None
+        if roster < 2 or roster <= sampled:
+            return True
+        try:
+            t = self.secagg.resolve_threshold(self.params.neighbours_for(roster))
+        except ConfigError:
+            return False
+        return t <= sampled - 1
+
     def _excluded_nodes(self) -> set[int]:
         """Nodes whose own shares made a round of this run abort (``secagg.exclude_blamed``).
 
@@ -373,27 +387,31 @@ class SecureAggregation(StrategyWrapper):
         counters' packing depends on it).
         """
         sampled = [site_of[n] for n in nodes]
-        keyed = False
+        narrow = False  # keyed over exactly the sampled sites in this call
         if server.epoch == 0 or server.needs_rekey(sampled):
+            roster = [n for n in grid.get_node_ids() if n not in self._excluded_nodes()]
+            if not self._roster_fits(len(roster), len(sampled)):
+                roster = list(nodes)  # the roster's t cannot be met by a round this size
             t0 = time.perf_counter()
-            self._setup(list(grid.get_node_ids()), config, group)
+            self._setup(roster, config, group)
             self.round_log.tick("setup", t0)
-            keyed = True
+            narrow = set(roster) <= set(nodes)
         for attempt in (0, 1):
             part = [i for i in sampled if i in set(server.usable_sites)]
             self._counter += 1
             try:
                 return server.begin_round(self._counter, part,
                                           dim if isinstance(dim, int) else dim(len(part)))
-            except AbortRound:
+            except (AbortRound, ConfigError):
                 # Some participant has < t neighbours among the sampled sites (sparse graph
-                # over a larger roster): key a new epoch over exactly the sampled sites.
-                if keyed or attempt:
+                # over a larger roster), or the epoch's t does not fit a round this size: key
+                # a new epoch over exactly the sampled sites.
+                if narrow or attempt:
                     raise
                 t0 = time.perf_counter()
                 self._setup(list(nodes), config, group)
                 self.round_log.tick("setup", t0)
-                keyed = True
+                narrow = True
         raise AssertionError("unreachable")
 
     # -- Flower's protocol ----------------------------------------------------------------------
@@ -531,12 +549,27 @@ class SecureAggregation(StrategyWrapper):
             return None, None  # the round was aborted in configure_train
         server = self.server
         site_of, node_of = r["site_of"], r["node_of"]
-        got = self._sort(r["messages"], replies, float(self.secagg.timeout), "upload",
-                         count_bytes=False)
+        # each masked upload is folded into the modular sum as it comes and released (the
+        # uploads are model-sized; nothing of one is kept, replies may be a generator)
         uploaded: set[int] = set()
-        for reply in got:
+        answered: set[int] = set()
+        some_reply: Message | None = None
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            answered.add(node)
+            if reply.has_error():
+                self._fail(node, f"upload: {reply.error.reason}")
+                continue
+            if some_reply is None:  # its metadata only: the reply inner strategies are given
+                some_reply = Message(content=RecordDict(), metadata=copy.copy(reply.metadata))  # type: ignore[call-overload]
             if self._receive(reply, MaskedUpload, site_of, server.receive_upload, "upload"):
-                uploaded.add(reply.metadata.src_node_id)
+                uploaded.add(node)
+            del reply
+            gc.collect(1)  # Flower's self-referencing record views (strategies.streaming)
+        for m in r["messages"]:
+            if m.metadata.dst_node_id not in answered:
+                self._fail(m.metadata.dst_node_id,
+                           f"upload: no reply within {float(self.secagg.timeout):.0f} s")
         self.history.replied(uploaded)
         t0 = time.perf_counter()
         try:
@@ -587,7 +620,7 @@ class SecureAggregation(StrategyWrapper):
             "secagg-frac-bits": result.frac_bits, "secagg-error-bound": float(result.error_bound),
             "secagg-epoch": result.epoch, "secagg-values": int(result.mean.size),
         }
-        some_reply = got[0] if got else r["messages"][0]
+        some_reply = some_reply if some_reply is not None else r["messages"][0]
         new, inner_metrics = inner_aggregate(
             self.inner, server_round, [(delta, float(result.total_weight), metrics, some_reply)],
             r["keys"], current, sites=len(result.counted), rejected=self.last_rejected)

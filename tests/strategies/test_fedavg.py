@@ -36,7 +36,9 @@ def test_fedavg_equals_flower_fedavg(n_sites: int, shapes: list[tuple[int, int]]
     global_arrays = [rng.normal(size=s).astype(np.float32) for s in shapes]
     replies = [train_reply(i + 1, [rng.normal(size=s).astype(np.float32) for s in shapes],
                            int(rng.integers(1, 500))) for i in range(n_sites)]
-    ours = FedAvg()
+    # Flower's aggregate exactly: the round-level guards off (weights up to 500x apart would be
+    # capped at 10 x the median, tests/reliability/test_round_guards.py)
+    ours = FedAvg(max_weight_ratio=0, norm_outlier_factor=0)
     _configure(ours, global_arrays)
     mine, _ = ours.aggregate_train(1, replies)
     theirs, _ = FlowerFedAvg().aggregate_train(1, replies)
