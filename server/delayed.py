@@ -9,7 +9,8 @@ grid's clock. The duration of a training message comes from a seeded
 and unmask messages of secure aggregation take the model's ``latency`` only.
 
 With a :class:`fedagg.asyncagg.VirtualClock` (default) nothing sleeps: the asynchronous loop
-asks :meth:`DelayedGrid.next_arrival` and jumps there, so 20 sites with lognormal speeds run
+asks :meth:`DelayedGrid.next_arrival` and jumps there (a caller that only polls, such as the
+synchronous round loop, moves the clock by pulling: see :meth:`DelayedGrid.pull_messages`), so 20 sites with lognormal speeds run
 on one machine in the time their training takes, and time-to-accuracy is reported in
 simulated seconds. With a :class:`fedagg.asyncagg.WallClock` the replies are held back in
 real time instead (``time_scale`` real seconds per simulated second), which the tests use to
@@ -147,6 +148,22 @@ class DelayedGrid(InProcessGrid):
         return min(times) if times else None
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        """Replies of ``message_ids`` due by now, in arrival order (each once).
+
+        For a caller that does not know the virtual clock (the synchronous round loop,
+        Flower's ``Strategy.start()``), a pull that finds none of its replies due *waits*: the
+        virtual clock moves to the earliest pending arrival among ``message_ids``, as a poll
+        on a real Grid would return once that reply came. The asynchronous loop uses
+        :meth:`pull_due`, which never moves the clock (it has deadlines of its own).
+        """
+        ids = list(message_ids)
+        if isinstance(self.clock, VirtualClock):
+            due = [self._pending[m][0] for m in ids if m in self._pending]
+            if due and min(due) > self.clock.now():
+                self.clock.advance_to(min(due))
+        return self.pull_due(ids)
+
+    def pull_due(self, message_ids: Iterable[str]) -> Iterable[Message]:
         """Replies of ``message_ids`` that are due by now, in arrival order (each once)."""
         now = self.clock.now()
         due = sorted((self._pending[m][:2], m) for m in set(message_ids)
@@ -172,12 +189,12 @@ class DelayedGrid(InProcessGrid):
                 break
             target = min(last, limit)
             if isinstance(self.clock, VirtualClock):
-                self.clock.advance_to(target if math.isfinite(target) else last)
+                self.clock.advance_to(target)
                 break
             if self.clock.now() >= target:
                 break
             time.sleep(min(0.01, max(target - self.clock.now(), 0.0)))
-        return list(self.pull_messages(ids))
+        return list(self.pull_due(ids))
 
     def state(self) -> dict[str, Any]:
         """Pending replies (for debugging): ``{message id: arrival time}``."""

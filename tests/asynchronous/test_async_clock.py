@@ -57,3 +57,19 @@ def test_virtual_clock_matches_real_waits() -> None:
         assert rr["time"] == pytest.approx(rv["time"], abs=0.15)
     assert virtual[-1]["time"] - 0.05 <= elapsed <= virtual[-1]["time"] + 3.0
     assert [t for t, *_ in virtual_grid.arrivals] == _arrival_times(virtual[-1]["time"])
+
+
+def test_synchronous_rounds_on_a_delayed_grid_last_as_long_as_their_slowest_site() -> None:
+    """A caller that only polls (the synchronous loop) moves the virtual clock by pulling."""
+    from server.runner import run_server
+
+    speed = SpeedModel(seed=0, job_seconds=2.0, sigma=0.5, factors=(1.0, 3.0, 1.5))
+    grid = DelayedGrid(fake_app(), 3, speed=speed, seed=3)
+    times: list[float] = []
+    run_server(grid, config(3, "run.rounds=3"), None, model_fn=tiny_model,
+               on_round=lambda rec: times.append(grid.clock.now()))
+    want, t = [0.0], 0.0
+    for rnd in (1, 2, 3):
+        t += max(speed.duration(part, rnd) for part in range(3))
+        want.append(t)
+    assert times == pytest.approx(want)
