@@ -217,6 +217,13 @@ class WorkerPool:
                 job.attempt, job.fault = attempt, fault if attempt == 0 else None
                 t_attempt = time.monotonic()
                 k_now = self.size
+                if k_now == 0 or self.closed:
+                    self.close()
+                    raise WorkerError(explain(
+                        f"{self.name}: worker pool", "no workers" if k_now == 0 else "closed",
+                        f"a round needs the pool's workers (round {server_round})",
+                        "retry the round: the next one starts a new pool; report this if it "
+                        "repeats"))
                 results, failures = self._attempt(job, data)
                 lost = [f for f in failures if f.lost]
                 if not failures or (lost and len(lost) == len(failures)
