@@ -435,10 +435,15 @@ def fedagg_mod(msg: Message, ctx: Context, call_next: CallNext) -> Message:
     return encode_reply(msg, ctx, rnd, trained, weight, metrics, hook)
 
 
+_FAULT_TARGETS = ("faults.crash_site", "faults.slow_site")
+
+
 def _fault_hook(msg: Message, ctx: Context) -> StageHook | None:
     """``[faults]`` stages for fedagg's own server's messages (tests and drills)."""
     record = msg.content.config_records.get("config") if msg.has_content() else None
-    if record is None or not any(str(k).startswith("faults.") for k in record):
+    # the fault targets (crash_site, slow_site) are unset by default and then not sent, so
+    # most messages skip validating the whole site config here
+    if record is None or not any(str(k) in _FAULT_TARGETS for k in record):
         return None
     from clients.faults import inject_faults
     from clients.settings import SiteSettings
