@@ -53,12 +53,13 @@ from fedagg.compression.support import (
     topk_of_aggregate,
 )
 from fedagg.compression.topk import RandomK, TopK
-from fedagg.compression.vote import VoteSketch, VoteSupport, find_vote_support
+from fedagg.compression.vote import BlockVote, VoteSketch, VoteSupport, find_vote_support
 
 __all__ = [
     "BF16",
     "FORMAT_VERSION",
     "FP16",
+    "BlockVote",
     "Chain",
     "Compressor",
     "CountSketch",

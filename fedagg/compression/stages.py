@@ -10,7 +10,8 @@ stage                                                          builds
 ``sketch:<k>,rows=5,cols=<int> | size=<frac>[,momentum=0]``   :class:`~.fetchsgd.SketchCompressor`
 ``[,lr=1][,error=zero|subtract][,epoch=0]``
 ``vote:<m>[,vote=<k>],rows=3,cols=<int> | size=<frac>``        :class:`~.vote.VoteSupport`
-``[,mode=bloom|count][,random=<frac>]``
+``[,mode=bloom|count][,random=<frac>]``, or
+``vote:<m>[,vote=<k>],block=<B>[,random=<frac>]``              (exact block votes)
 ``shared-dgc:<m>[,support=random|block|aggtopk][,momentum=``   :class:`~.dgc.DGCFeedback` over a
 ``0.9][,decay=1][,clip=<norm>][,random=<frac>]``               :class:`~.support.SharedSupport`
 =============================================================  ==================================
@@ -46,7 +47,8 @@ __all__ = ["FIXES", "STAGES"]
 
 FIXES: dict[str, str] = {
     "sketch": "e.g. 'sketch:0.01,rows=5,cols=4000' or 'sketch:k=2000,rows=5,size=0.02,momentum=0.9'",
-    "vote": "e.g. 'vote:0.01,rows=3,size=0.02+ef' or 'vote:0.01,vote=0.005,rows=3,cols=4096+ef'",
+    "vote": "e.g. 'vote:0.01,rows=3,size=0.02+ef', 'vote:0.01,vote=0.005,rows=3,cols=4096+ef' "
+            "or 'vote:0.02,vote=0.01,block=64+ef'",
     "shared-dgc": "e.g. 'shared-dgc:0.01,momentum=0.9' or 'shared-dgc:0.01,support=block,decay=0.99'",
 }
 
@@ -137,11 +139,23 @@ def sketch_stage(ctx: StageContext) -> SketchCompressor:
 
 def vote_stage(ctx: StageContext) -> VoteSupport:
     """``vote``: values on the support voted (securely) in the previous round."""
-    ctx.expect(1, {"k", "vote", "rows", "cols", "size", "mode", "random"})
+    ctx.expect(1, {"k", "vote", "rows", "cols", "size", "mode", "random", "block"})
     seed, rnd = ctx.public()
     ratio, m = _main_amount(ctx)
     vote_ratio, vote_k = _amount(ctx, ctx.kwargs["vote"]) if "vote" in ctx.kwargs else (None, None)
-    cols, size = _cols_size(ctx)
+    block = ctx.count(ctx.kwargs["block"], "block") if "block" in ctx.kwargs else 1
+    if block < 1:
+        raise ctx.error("block must be >= 1", ctx.fix())
+    cols: int | None
+    size: float | None
+    if block > 1:
+        extra = sorted({"rows", "cols", "size", "mode"} & set(ctx.kwargs))
+        if extra:
+            raise ctx.error(f"block votes are exact (one counter per block); {extra} do not "
+                            "apply", "drop them, or drop block=")
+        cols, size = 1, None
+    else:
+        cols, size = _cols_size(ctx)
     mode = _choice(ctx, "mode", ("bloom", "count"))
     return VoteSupport(
         support_ratio=ratio,
@@ -155,6 +169,7 @@ def vote_stage(ctx: StageContext) -> VoteSupport:
         round=rnd,
         mode="count" if mode == "count" else "bloom",
         random_fraction=_in(ctx, "random", 0.0, 1.0, 0.0),
+        block=block,
     )
 
 

@@ -18,6 +18,14 @@ reveal its own top-k. Voting splits the choice in two securely aggregated parts:
    (:class:`VoteSupport` is a :class:`~fedagg.compression.support.SharedSupport`), masked,
    as in the other secure sparse modes.
 
+**Block votes** (``block=B``, :class:`BlockVote`): instead of hashed coordinates a site
+votes for the ``b`` blocks of ``B`` consecutive coordinates of the flattened update that hold
+the most L1 mass of its unsent residual; the table has one exact counter per block (no
+hashing, no collisions: ``ceil(dim / B)`` counters), the support is the ``m // B`` most
+popular blocks. Parameters of one tensor row lie next to each other in the flattened update
+(a neuron's input weights), and a model's update is mass-structured along them, so block
+votes capture more of the aggregate's mass per counter than hashed coordinate votes.
+
 The two phases can run in one round (vote, then values), or pipelined: the values of round
 ``t`` use the support voted in round ``t - 1``, so each round carries one upload
 (``[values on S_t | votes for S_{t+1}]``). :class:`VoteSupport` does the pipelined form: its
@@ -64,6 +72,7 @@ from fedagg.compression.topk import k_from_ratio, topk_indices
 from fedagg.errors import CodecError, ConfigError, explain
 
 __all__ = [
+    "BlockVote",
     "VoteSketch",
     "VoteSupport",
     "find_vote_support",
@@ -73,6 +82,7 @@ __all__ = [
 
 VoteMode = Literal["bloom", "count"]
 _PRIORITY_DOMAIN = b"fedagg/compression/vote/tiebreak/v1"
+_BLOCK_DOMAIN = b"fedagg/compression/vote/block-tiebreak/v1"
 
 
 def vote_ring_bits(num_sites: int, k: int, mode: VoteMode = "bloom") -> int:
@@ -273,6 +283,114 @@ class VoteSketch:
         )
 
 
+class BlockVote:
+    """Exact vote tables over blocks of ``block`` consecutive coordinates (one row).
+
+    Same interface as :class:`VoteSketch` (``rows``, ``cols``, ``size``, :meth:`vote`,
+    :meth:`popularity`, :meth:`support`), so :class:`VoteSupport` uses either. Counter ``b``
+    of a site's table is 1 if block ``b`` (coordinates ``[b * block, (b + 1) * block)``) is
+    among the site's ``k`` blocks of largest L1 mass; summed over sites it is the number of
+    sites that chose the block, exactly.
+
+    Parameters
+    ----------
+    dim, block : int
+        Coordinates and block length (``>= 1``; the last block may be shorter).
+    seed : bytes
+        Public seed (tie-break priorities).
+    round : int
+        The round the votes are cast in.
+
+    Examples
+    --------
+    >>> bv = BlockVote(10, 4, seed=b"public", round=1)
+    >>> x = np.array([0, 0, 0, 0, 5, 5, 0, 0, 1, 0.0])
+    >>> bv.vote(x, 1).tolist(), bv.support(bv.vote(x, 1) * 3, 4).tolist()
+    ([[0, 1, 0]], [4, 5, 6, 7])
+    """
+
+    mode: VoteMode = "bloom"
+
+    def __init__(self, dim: int, block: int, *, seed: bytes, round: int) -> None:
+        for name, value in (("dim", dim), ("block", block)):
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+                raise ConfigError(explain(f"BlockVote.{name}", value, "must be an int >= 1",
+                                          "e.g. block=64"))
+        self.dim, self.block = int(dim), int(block)
+        self.blocks = -(-self.dim // self.block)
+        self.rows, self.cols = 1, self.blocks
+        self.seed, self.round = seed, int(round)
+
+    @property
+    def size(self) -> int:
+        """Counters per table (one per block)."""
+        return self.blocks
+
+    def masses(self, vector: NDArray[Any] | Sequence[NDArray[Any]]) -> NDArray[np.float64]:
+        """L1 mass of ``vector`` per block."""
+        flat = flatten(vector)
+        if flat.shape[0] != self.dim:
+            raise ConfigError(explain("vote vector", flat.shape[0], f"must be {self.dim}", "-"))
+        out: NDArray[np.float64] = np.add.reduceat(
+            np.abs(flat), np.arange(0, self.dim, self.block))
+        return out
+
+    def vote(self, vector: NDArray[Any] | Sequence[NDArray[Any]], k: int) -> NDArray[np.int64]:
+        """Vote for the ``k`` blocks of largest L1 mass (ties: lowest index), ``(1, blocks)``."""
+        if isinstance(k, bool) or not isinstance(k, int | np.integer) or not 0 <= k <= self.blocks:
+            raise ConfigError(explain("vote blocks", k, f"must be in [0, {self.blocks}]", "-"))
+        out = np.zeros((1, self.blocks), np.int64)
+        out[0, topk_indices(self.masses(vector), int(k))] = 1
+        return out
+
+    def popularity(self, total: NDArray[Any]) -> NDArray[np.int64]:
+        """Sites per block (the summed table itself)."""
+        t = np.asarray(total)
+        if t.shape not in ((1, self.blocks), (self.blocks,)) or not np.issubdtype(
+                t.dtype, np.integer) or (t.size and int(t.min()) < 0):
+            raise ConfigError(explain("block vote sum", f"{t.dtype}{t.shape}",
+                                      f"must be {self.blocks} counts >= 0", "-"))
+        out: NDArray[np.int64] = t.reshape(-1).astype(np.int64)
+        return out
+
+    def priority(self) -> NDArray[np.uint64]:
+        """Public per-round tie-break keys per block (SHAKE-256, one 64-bit word each)."""
+        head = b"".join(len(p).to_bytes(8, "big") + p for p in (
+            _BLOCK_DOMAIN, self.seed, self.round.to_bytes(8, "big"),
+            self.dim.to_bytes(8, "big"), self.block.to_bytes(8, "big")))
+        return np.frombuffer(hashlib.shake_256(head).digest(8 * self.blocks), dtype="<u8").copy()
+
+    def support(self, total: NDArray[Any], m: int, *, random_fraction: float = 0.0
+                ) -> NDArray[np.int64]:
+        """The coordinates of the ``max(1, m // block)`` most popular blocks (sorted).
+
+        Ordered by popularity, then :meth:`priority`, then block index; a share
+        ``random_fraction`` of the blocks is drawn uniformly (public seed and round) from
+        the rest. The last block may be shorter, so the support has at most that many
+        blocks' coordinates.
+        """
+        if isinstance(m, bool) or not isinstance(m, int | np.integer) or not 0 <= m <= self.dim:
+            raise ConfigError(explain("support size", m, f"must be in [0, {self.dim}]", "-"))
+        if not (isinstance(random_fraction, int | float) and 0.0 <= random_fraction <= 1.0):
+            raise ConfigError(explain("random_fraction", random_fraction, "must be in [0, 1]", "-"))
+        pop = self.popularity(total)
+        nb = 0 if m == 0 else min(self.blocks, max(1, int(m) // self.block))
+        n_rand = math.floor(random_fraction * nb + 0.5)
+        order = np.lexsort((np.arange(self.blocks), self.priority(), -pop))
+        chosen = order[: nb - n_rand]
+        if n_rand:
+            rest = np.sort(order[nb - n_rand:])
+            pick = random_support(rest.shape[0], n_rand, round=self.round,
+                                  seed=b"vote-block-random\x00" + self.seed)
+            chosen = np.concatenate([chosen, rest[pick]])
+        idx = (np.sort(chosen)[:, None] * self.block + np.arange(self.block)[None, :]).ravel()
+        out: NDArray[np.int64] = idx[idx < self.dim].astype(np.int64)
+        return out
+
+    def __repr__(self) -> str:
+        return f"BlockVote(dim={self.dim}, block={self.block}, round={self.round})"
+
+
 def _amount(ratio: float | None, k: int | None, dim: int) -> int:
     return min(int(k), dim) if k is not None else k_from_ratio(ratio or 0.0, dim)
 
@@ -298,6 +416,10 @@ class VoteSupport(SharedSupport):
         Current round: this round's vote uses ``VoteSketch(..., round=round)``.
     mode : {"bloom", "count"}
         Vote counters, see :class:`VoteSketch`.
+    block : int
+        ``1`` (default): hashed coordinate votes (:class:`VoteSketch`, ``rows`` x ``cols``).
+        ``B > 1``: exact block votes (:class:`BlockVote`; ``rows``, ``cols`` and ``size`` are
+        not used); a site votes for ``ceil(votes / B)`` blocks.
     random_fraction : float
         Share of the support drawn at random from the rest.
 
@@ -329,7 +451,17 @@ class VoteSupport(SharedSupport):
         round: int,
         mode: VoteMode = "bloom",
         random_fraction: float = 0.0,
+        block: int = 1,
     ) -> None:
+        if isinstance(block, bool) or not isinstance(block, int | np.integer) or block < 1:
+            raise ConfigError(explain("VoteSupport.block", block, "must be an int >= 1",
+                                      "1 (hashed coordinate votes) or e.g. 64"))
+        if block > 1:
+            if mode != "bloom":
+                raise ConfigError(explain("VoteSupport.mode", mode,
+                                          "block votes count sites per block (bloom)",
+                                          "drop mode= with block="))
+            cols, size = cols if cols is not None else 1, None
         if (support_ratio is None) == (support_k is None):
             raise ConfigError(
                 explain("VoteSupport", (support_ratio, support_k), "give one support size", "-")
@@ -344,6 +476,7 @@ class VoteSupport(SharedSupport):
         self.rows, self.cols, self.size = rows, cols, size
         self.seed, self.round, self.mode = seed, round, mode
         self.random_fraction = random_fraction
+        self.block = int(block)
         self._votes: tuple[NDArray[np.int64], int] | None = None
         self._memo: tuple[int, NDArray[np.int64]] | None = None
         self.last_votes: NDArray[np.int64] | None = None
@@ -359,8 +492,11 @@ class VoteSupport(SharedSupport):
             return self.m_for(dim)
         return _amount(self.vote_ratio, self.vote_k, dim)
 
-    def sketch_for(self, dim: int, round: int | None = None) -> VoteSketch:
-        """The vote sketch of ``round`` (default: this round) for ``dim`` coordinates."""
+    def sketch_for(self, dim: int, round: int | None = None) -> VoteSketch | BlockVote:
+        """The vote table of ``round`` (default: this round) for ``dim`` coordinates."""
+        if self.block > 1:
+            rnd = self.round if round is None else round
+            return BlockVote(dim, self.block, seed=self.seed, round=rnd)
         cols = (
             self.cols
             if self.cols is not None
@@ -390,14 +526,21 @@ class VoteSupport(SharedSupport):
         """This round's vote table for an (error-compensated) update."""
         flat = flatten(tensors)
         dim = int(flat.shape[0])
-        return self.sketch_for(dim).vote(flat, self.votes_for(dim))
+        return self.sketch_for(dim).vote(flat, self._vote_units(dim))
+
+    def _vote_units(self, dim: int) -> int:
+        """What a site votes for: ``votes_for`` coordinates, or as many blocks."""
+        k = self.votes_for(dim)
+        if self.block == 1:
+            return k
+        return min(-(-dim // self.block), -(-k // self.block))
 
     def compress(self, tensors: Sequence[NDArray[Any]], *, rng: np.random.Generator) -> Payload:
         """Values on the support; :attr:`last_votes` = vote on what is left unsent."""
         payload = super().compress(tensors, rng=rng)
         rest = np.array(flatten(tensors), dtype=np.float64, copy=True)
         rest[self.support_for(rest.shape[0])] = 0.0
-        self.last_votes = self.sketch_for(rest.shape[0]).vote(rest, self.votes_for(rest.shape[0]))
+        self.last_votes = self.sketch_for(rest.shape[0]).vote(rest, self._vote_units(rest.shape[0]))
         return payload
 
     def vote_field_bits(self, dim: int, num_sites: int) -> int:
@@ -428,7 +571,8 @@ class VoteSupport(SharedSupport):
 
     def __repr__(self) -> str:
         m = self.support_k if self.support_k is not None else self.support_ratio
-        return f"VoteSupport(m={m}, rows={self.rows}, mode={self.mode!r}, round={self.round})"
+        table = f"block={self.block}" if self.block > 1 else f"rows={self.rows}"
+        return f"VoteSupport(m={m}, {table}, mode={self.mode!r}, round={self.round})"
 
 
 def find_vote_support(compressor: object) -> VoteSupport | None:

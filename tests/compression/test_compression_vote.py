@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedagg.compression import (
+    BlockVote,
     ErrorFeedback,
     SharedSupport,
     VoteSketch,
@@ -466,3 +467,54 @@ def test_voted_support_trains_within_a_few_percent_of_dense_and_beats_random() -
 
 def test_docstring_examples() -> None:
     assert doctest.testmod(vote_module, optionflags=doctest.ELLIPSIS).failed == 0
+
+
+# -- block votes (vote:...,block=B) ---------------------------------------------------------
+def _naive_block_vote(x: list[float], block: int, k: int) -> list[int]:
+    """The blocks of the k largest L1 masses (ties: lowest block), as a 0/1 list."""
+    blocks = -(-len(x) // block)
+    mass = [sum(abs(v) for v in x[b * block:(b + 1) * block]) for b in range(blocks)]
+    chosen = sorted(range(blocks), key=lambda b: (-mass[b], b))[:k]
+    return [1 if b in chosen else 0 for b in range(blocks)]
+
+
+@settings(max_examples=30, deadline=None)
+@given(dim=st.integers(1, 90), block=st.integers(1, 12), sites=st.integers(1, 6), data=st.data())
+def test_block_votes_sum_and_support_equal_the_naive_ones(dim: int, block: int, sites: int,
+                                                          data: st.DataObject) -> None:
+    bv = BlockVote(dim, block, seed=b"s", round=3)
+    blocks = -(-dim // block)
+    k = data.draw(st.integers(0, blocks))
+    vectors = [data.draw(st.lists(st.floats(-4, 4, width=32), min_size=dim, max_size=dim))
+               for _ in range(sites)]
+    total = sum(bv.vote(np.array(v), k) for v in vectors)
+    naive = [sum(col) for col in zip(*[_naive_block_vote(v, block, k) for v in vectors],
+                                     strict=True)]
+    assert total.shape == (1, blocks) and total[0].tolist() == naive
+    m = data.draw(st.integers(0, dim))
+    prio = bv.priority()
+    nb = 0 if m == 0 else min(blocks, max(1, m // block))
+    order = sorted(range(blocks), key=lambda b: (-naive[b], int(prio[b]), b))[:nb]
+    want = [i for b in sorted(order) for i in range(b * block, min((b + 1) * block, dim))]
+    assert bv.support(total, m).tolist() == want
+
+
+def test_block_vote_support_from_the_spec_and_its_errors() -> None:
+    comp = build_compressor("vote:0.2,vote=0.1,block=4+ef", seed=b"x", round=2)
+    stage = find_vote_support(comp)
+    assert stage is not None and stage.block == 4
+    vs = stage.sketch_for(40)
+    assert isinstance(vs, BlockVote) and vs.size == 10 and (vs.rows, vs.cols) == (1, 10)
+    assert stage.support_for(40).size == 8  # 0.2 * 40 = 8 coordinates = 2 blocks
+    x = np.zeros(40, np.float32)
+    x[[5, 6, 33]] = [3.0, 2.0, 9.0]
+    stage.compress([x], rng=np.random.default_rng(0))
+    assert stage.last_votes is not None and stage.last_votes.shape == (1, 10)
+    assert int(stage.last_votes.sum()) == 1  # vote = 0.1 * 40 = 4 coordinates = 1 block
+    for bad, words in [("vote:0.2,block=4,rows=2+ef", "do not apply"),
+                       ("vote:0.2,block=0+ef", "block must be >= 1"),
+                       ("vote:0.2,block=4,mode=count+ef", "do not apply")]:
+        with pytest.raises(ConfigError, match=words):
+            build_compressor(bad, seed=b"x", round=2)
+    with pytest.raises(ConfigError, match="vote blocks"):
+        BlockVote(10, 4, seed=b"x", round=0).vote(np.zeros(10), 4)

@@ -30,7 +30,13 @@ from flwr.app import ArrayRecord, Message
 
 from clients.app import app
 from clients.protocol import EF_KEY
-from fedagg.compression import FetchSGDServer, SketchCompressor, VoteSupport, find_sketch
+from fedagg.compression import (
+    BlockVote,
+    FetchSGDServer,
+    SketchCompressor,
+    VoteSupport,
+    find_sketch,
+)
 from fedagg.compression.ring import from_ring, unpack_counters
 from fedagg.config import RunConfig, load_config
 from fedagg.data import load_dataset
@@ -38,7 +44,7 @@ from fedagg.errors import ConfigError
 from fedagg.models import build_model
 from fedagg.secagg import fixed_point
 from fedagg.secagg.packing import packed_words
-from fedagg.update import SecAggMasker, UploadPipeline
+from fedagg.update import SecAggMasker, UploadPipeline, public_seed
 from fedagg.update import masked as masked_mod
 from fedagg.update import pipeline as pipeline_mod
 from server.inprocess import InProcessGrid, nodes_by_partition
@@ -332,4 +338,42 @@ def test_plaintext_sketch_is_fetchsgd_on_the_weighted_mean_of_the_sites_sketches
         step = _flat(res.arrays) - _flat(arrays)
         np.testing.assert_array_equal(np.flatnonzero(step), want.indices)
         np.testing.assert_allclose(step[want.indices], want.values, rtol=1e-5, atol=1e-9)
+        arrays = res.arrays
+
+
+def test_secure_block_vote_sum_is_the_naive_count_and_the_support_its_top_blocks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    rec = Recorder(monkeypatch)
+    up = "vote:0.02,vote=0.01,block=16+ef"
+    cfg = _cfg("strategy.name=secure", f"compression.up={up}", "secagg.ring_bits=12",
+               "secagg.frac_bits=6", "secagg.clip=1")
+    secure = build_strategy(cfg)
+    assert isinstance(secure, SecureAggregation)
+    grid = InProcessGrid(app, 5, seed=2)
+    arrays = _initial(cfg)
+    dim = _flat(arrays).size
+    blocks = -(-dim // 16)
+    naive_total = None
+    for rnd in (1, 2, 3):
+        rec.clear()
+        res = _round(secure, grid, rnd, arrays, cfg)
+        assert res.arrays is not None and secure.last_result.ring_bits == 12
+        support = secure.last_support
+        assert support is not None
+        for _, site_support in rec.votes:
+            np.testing.assert_array_equal(site_support, support)
+        if naive_total is not None:  # the most popular blocks, public priority, then index
+            nb = max(1, round(0.02 * dim) // 16)
+            prio = BlockVote(dim, 16, seed=public_seed(cfg.run.seed), round=rnd - 1).priority()
+            order = sorted(range(blocks), key=lambda b: (-naive_total[b], int(prio[b]), b))[:nb]
+            want = [i for b in sorted(order) for i in range(b * 16, min(b * 16 + 16, dim))]
+            assert support.tolist() == want
+        by_site = dict(zip(rec.sites, rec.votes, strict=True))
+        for table, _ in rec.votes:
+            assert table.shape == (1, blocks) and int(table.sum()) == -(-round(0.01 * dim) // 16)
+        naive_total = sum(by_site[s][0][0] for s in secure.last_result.counted)
+        assert secure.history.votes is not None
+        np.testing.assert_array_equal(secure.history.votes[1][0], naive_total)
+        step = _flat(res.arrays) - _flat(arrays)
+        assert not np.delete(step, support).any() and np.abs(step[support]).max() > 0
         arrays = res.arrays
