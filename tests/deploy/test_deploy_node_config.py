@@ -14,8 +14,8 @@ import pytest
 from flwr.app import Context, Message, RecordDict
 from flwr.common.config import parse_config_args
 
-from fedagg.builtin import builtin_task
 from clients.settings import SiteSettings
+from fedagg.builtin import builtin_task
 from fedagg.config import RunConfig
 from fedagg.errors import ConfigError, DataError
 from server.runner import client_config
@@ -64,7 +64,7 @@ def test_site_data_from_data_path(tmp_path: Path) -> None:
     data = task.data(s.site_info())
     assert task.data.shape() == ((1, 8, 8), 10)  # type: ignore[attr-defined]
     xs, ys = data.train.tensors  # type: ignore[union-attr]
-    xe, ye = data.eval.tensors  # type: ignore[union-attr]  # a held-out 10 % (data.eval_fraction)
+    _xe, ye = data.eval.tensors  # type: ignore[union-attr]  # a held-out 10 % (data.eval_fraction)
     assert xs.shape[1:] == (1, 8, 8) and len(ys) + len(ye) == 20 and len(ye) == 2
     assert sorted(ys.tolist() + ye.tolist()) == sorted(y.tolist())
 
