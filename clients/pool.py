@@ -28,8 +28,9 @@ would have given (within float32 summation order). The reply's metrics say so
 (``workers``, ``workers_lost``, ``round_attempts``). At the next round the lost workers are
 replaced and the group is formed with K workers again. A worker that *raises* (a bug in the
 user's step, bad data) fails the site as before: redoing would raise again. So do fewer than
-``site.min_workers`` survivors. A failed site's pool is closed; the next round starts a new
-one, as it does when every worker of an idle pool died.
+``site.min_workers`` survivors. If no worker survived (the whole pool died, e.g. killed
+together between rounds), the pool is started again once within the round and the round
+redone. A failed site's pool is closed; the next round starts a new one.
 
 Shutdown. :meth:`WorkerPool.close` stops every worker it started (processes: asked to exit,
 then killed by PID and reaped); the registry closes pools idle for ``site.pool_idle_timeout``
@@ -213,6 +214,7 @@ class WorkerPool:
             info.startup_seconds = time.monotonic() - t0
             fault = job.fault
             attempt = 0
+            restarted = False
             while True:
                 job.attempt, job.fault = attempt, fault if attempt == 0 else None
                 t_attempt = time.monotonic()
@@ -226,8 +228,8 @@ class WorkerPool:
                         "repeats"))
                 results, failures = self._attempt(job, data)
                 lost = [f for f in failures if f.lost]
-                if not failures or (lost and len(lost) == len(failures)
-                                    and len(results) == self.size - len(lost)):
+                if not failures or (results and len(lost) == len(failures)
+                                    and len(results) == k_now - len(lost)):
                     if lost:  # the round completed; the lost ones are replaced next round
                         self._drop([f.rank for f in lost])
                         info.lost += len(lost)
@@ -246,6 +248,22 @@ class WorkerPool:
                 survivors = self._recover(failures)
                 info.lost += k_now - len(survivors)
                 info.causes += [f"worker {f.rank}: {f.cause}" for f in lost]
+                if not survivors and not restarted:
+                    # every worker is gone (e.g. killed together just before the round): the
+                    # pool is dead; start it again once and redo the round
+                    _log.warning("%s round %d: all %d workers lost (%s); restarting the pool",
+                                 self.name, server_round, k_now,
+                                 "; ".join(f.cause for f in lost))
+                    restarted = True
+                    try:
+                        self._drop(list(range(self.size)))
+                        self._ensure(job, info)
+                    except BaseException:
+                        self.close()
+                        raise
+                    info.redo_seconds += time.monotonic() - t_attempt
+                    attempt += 1
+                    continue
                 if len(survivors) < self.site.min_workers:
                     self.close()
                     self._raise(failures, server_round, k=k_now, left=len(survivors))

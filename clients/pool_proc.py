@@ -273,6 +273,10 @@ class ProcessPool(WorkerPool):
                 raise WorkerError(self._start_error(m, f"no {what!r} within the start-up time"))
 
     def _ensure(self, job: WorkerJob, info: RoundInfo) -> None:
+        for m in self.members:  # drain what came in since the last round; EOF: the worker died
+            while m.conn is not None and not m.broken and m.conn.poll(0):
+                if m.recv() is None:
+                    break
         dead = [m for m in self.members if m.broken or m.proc.poll() is not None]
         if dead:
             _log.warning("%s: %d worker process(es) %s died since the last round; replacing",

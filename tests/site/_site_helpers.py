@@ -105,12 +105,16 @@ def new_owner(node: int = 1) -> tuple[int, int]:
 
 
 def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (not a zombie)."""
+    """Whether ``pid`` runs: not gone, and not a zombie whose threads have all exited (a
+    killed multi-threaded process shows its leader as a zombie while its other threads are
+    still exiting; its sockets close only after them)."""
     try:
-        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+        status = (Path("/proc") / str(pid) / "status").read_text()
+    except OSError:
         return False
-    return state != "Z"
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    zombie = fields.get("State", "").strip().startswith("Z")
+    return not zombie or int(fields.get("Threads", "1").strip() or 1) > 1
 
 
 def wait_gone(pids: list[int], timeout: float = 15.0) -> list[int]:

@@ -209,6 +209,26 @@ def test_dead_pool_is_restarted_and_idle_pool_closed() -> None:
     assert not [k for k in live_pools() if k.run_id == owner[0]]
 
 
+@pytest.mark.gloo
+def test_pool_killed_as_the_round_starts_is_restarted_within_the_round() -> None:
+    """All workers SIGKILLed and the round sent at once (their deaths not yet visible): the
+    round finds no survivor, restarts the pool once and still gives the right update."""
+    owner = new_owner()
+    task = builtin_task(settings().cfg)
+    site = {"workers": 2, "mode": "process"}
+    w = initial_weights(settings())
+    run(settings(site=site), w, owner=owner)
+    first = _pool(owner, task).pids()
+    for pid in first:
+        os.kill(pid, signal.SIGKILL)
+    res = run(settings(server_round=2, site=site), w, owner=owner)  # no wait
+    assert res.metrics["workers"] == 2 and res.metrics["workers_started"] == 2
+    assert delta_rel_diff(res.weights, train_single(settings(server_round=2), w).weights, w) < TOL
+    second = _pool(owner, task).pids()
+    close_pools(owner[0])
+    assert wait_gone(first + second) == []
+
+
 _CONTROLLER = textwrap.dedent("""
     import sys, time
     sys.path[:0] = [{site_dir!r}, {root!r}]
