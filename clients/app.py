@@ -12,6 +12,10 @@ app of ``flwr run .`` and ``fedagg simulate``) is the built-in task of the run c
     :class:`strategies.SecureAggregation`), with the compressed or masked upload
     (:mod:`clients.protocol`). Works with any Flower strategy: config keys fedagg does not
     know (FedProx's ``proximal-mu``, ...) reach the task's step (``StepContext.config``).
+``query.warmup``
+    loads the built-in task's model and the site's data and answers with an empty reply: the
+    server wakes Flower's simulation engine with it before round 1, so that the engine's
+    start-up is not counted in round 1's time.
 ``evaluate``
     evaluates the global model on the site's *held-out* split (``SiteData.eval``) and
     replies ``eval_loss``, ``eval_acc`` and ``num-examples``.
@@ -24,6 +28,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import Mod
@@ -171,6 +176,20 @@ def make_client_app(task: TaskSource = None, *, mods: Sequence[Mod] = ()) -> Cli
             "is fedagg 0.1's secure-aggregation wire (version 1); this site speaks version 2, "
             "where every stage is a train message", "run the same fedagg version on the server "
             "and the sites"))
+
+    @client_app.query("warmup")
+    def warmup(msg: Message, context: Context) -> Message:
+        """The server's engine warm-up before round 1 (:func:`server.runner.engine_warmup`):
+        the built-in task's model and this site's data are loaded (both cached in the process);
+        a user's task is only built (its data function may not cache). A first torch
+        optimizer is made for any task: torch imports its compiler stack then (~1.5 s)."""
+        settings = SiteSettings.from_message(msg, context)
+        t = _task(task, settings)
+        if task is None:
+            t.data(settings.site_info())
+            t.model()
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        return Message(content=RecordDict(), reply_to=msg)
 
     for stage in ("secagg_advertise", "secagg_share_keys", "secagg_unmask"):
         client_app.query(stage)(refuse_v1)

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from fedagg.aggregate import model_change_problem
@@ -90,6 +90,40 @@ def wait_for_sites(grid: Grid, cfg: RunConfig, *, poll: float = 1.0) -> int:
     if n < cfg.run.sites:
         _log.warning("starting with %d of %d sites (run.wait_for_sites elapsed)", n, cfg.run.sites)
     return n
+
+
+WARMUP_ACTION = "warmup"
+"""The query action of the engine warm-up (``query.warmup``; answered by fedagg's ClientApp)."""
+
+
+def engine_warmup(grid: Grid, cfg: RunConfig) -> float | None:
+    """Wake the simulation engine before round 1; return the seconds it took (None: skipped).
+
+    In Flower's simulation engine the first message to each backend worker starts it (a Ray
+    actor, which imports and loads the ClientApp): several seconds that would otherwise be
+    counted in round 1's time. Every node gets one ``query.warmup`` message with the sites'
+    config; fedagg's ClientApp loads the built-in task's model and data for that site (cached
+    in the worker, as a train message would) and answers with an empty reply; another app
+    answers with an error reply, which shows as well that the worker is up. The replies are
+    waited for at most the first round's deadline and dropped.
+    Not done in deployment (each message starts a fresh ClientApp process there, so nothing
+    stays warm) nor on grids that are not Flower's simulation grid.
+    """
+    if type(grid).__name__ != "InMemoryGrid":
+        return None
+    t0 = time.perf_counter()
+    nodes = list(grid.get_node_ids())
+    messages = [Message(content=RecordDict({"config": client_config(cfg)}), dst_node_id=n,
+                        message_type=f"{MessageType.QUERY}.{WARMUP_ACTION}") for n in nodes]
+    try:
+        replies = list(grid.send_and_receive(messages, timeout=round_deadline(cfg, 1)))
+    except Exception as exc:  # a failed warm-up only means round 1 pays the start-up
+        _log.debug("engine warm-up failed: %s", exc)
+        return None
+    seconds = time.perf_counter() - t0
+    _log.info("simulation engine started: %d of %d sites answered in %.1f s",
+              len(replies), len(nodes), seconds)
+    return seconds
 
 
 def round_deadline(cfg: RunConfig, rnd: int) -> float:
@@ -283,6 +317,8 @@ def run_server(
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(out / "config.json", cfg.model_dump_json(indent=2).encode())
+    wait_for_sites(grid, cfg)
+    startup = engine_warmup(grid, cfg)  # not counted in round 1's time
     if ckpt is not None:
         ckpt.restore_rng()
         arrays = arrays_to_record(ckpt.arrays, keys)
@@ -302,6 +338,7 @@ def run_server(
                 "bytes_up": 0,
                 "bytes_down": 0,
                 "seconds": 0.0,
+                **({"seconds_startup": startup} if startup is not None else {}),
             }
         ]
         if on_round:
@@ -321,7 +358,6 @@ def run_server(
             strategy_state=state_fn() if callable(state_fn) else None,
         )
 
-    wait_for_sites(grid, cfg)
     if start == 1:
         checkpoint(0)
     summaries: list[str] = []

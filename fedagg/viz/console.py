@@ -199,6 +199,9 @@ class RoundProgress:
         if isinstance(rec.get("accuracy"), int | float):
             self.last_accuracy = float(rec["accuracy"])
         eta = eta_seconds(self.seconds, self.total, resumed_after=self.resumed_after)
+        if rnd == 0 and isinstance(rec.get("seconds_startup"), int | float):
+            self.message(f"simulation engine started in {rec['seconds_startup']:.1f} s "
+                         "(not counted in round 1)")
         if rnd > self.resumed_after or (rnd == 0 and not self.resumed_after):
             self.message(round_line(rec, self.total, eta))
         if self._progress is not None:

@@ -40,6 +40,25 @@ def test_three_sites_two_rounds_beats_untrained(tmp_path: Path) -> None:
         assert int(r["bytes_up"]) >= 3 * 4 * 17_000  # type: ignore[call-overload]  # MLP: 17,226 params
 
 
+def test_engine_start_up_is_not_counted_in_round_one(tmp_path: Path) -> None:
+    """The engine is woken before round 1 (server.runner.engine_warmup): its start-up is in
+    round 0's ``seconds_startup``, and round 1's site overhead is that of a warm round (without
+    the warm-up, the first message to each Ray worker pays the actor start, the imports of
+    torch's optimizer stack (~1.5 s) and the data set load)."""
+    records = _simulate(tmp_path, "run.sites=3", "run.rounds=2", "run.seed=1")
+    startup = float(records[0]["seconds_startup"])  # type: ignore[arg-type]
+    assert startup > 0
+    first, second = records[1], records[2]
+    assert float(first["seconds"]) < startup  # type: ignore[arg-type]
+
+    def overhead(rec: dict[str, object]) -> float:
+        sites = rec["site_metrics"]
+        assert isinstance(sites, dict) and len(sites) == 3
+        return max(float(m["overhead_seconds"]) for m in sites.values())
+
+    assert overhead(first) < max(0.6, 4 * overhead(second)), (overhead(first), overhead(second))
+
+
 def test_defaults_reach_90_percent_on_digits(tmp_path: Path) -> None:
     """`fedagg simulate` with defaults: digits, 10 sites, Dirichlet 0.5, 10 rounds."""
     records = _simulate(tmp_path)

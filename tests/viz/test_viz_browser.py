@@ -12,11 +12,14 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import _viz_browser
 import pytest
 from _viz_browser import console_errors, full_screenshot, open_page
 
 from fedagg.collectives.schedule import get_schedule
 from fedagg.viz.schedule_page import write_schedule_page
+
+browser = _viz_browser.browser  # the fixture (not in a conftest: tests import the root conftest by name)
 
 ROOT = Path(__file__).resolve().parents[2]
 NBYTES = 1 << 20

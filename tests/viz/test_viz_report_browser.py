@@ -16,11 +16,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import _viz_browser
 import pytest
 from _viz_browser import console_errors, full_screenshot, open_page
 from _viz_runs import make_run
 
 from fedagg.viz.run_report import write_report
+
+browser = _viz_browser.browser  # the fixture (not in a conftest: tests import the root conftest by name)
 
 ROOT = Path(__file__).resolve().parents[2]
 
