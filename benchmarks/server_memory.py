@@ -16,11 +16,12 @@ reports:
 * for sharded cases each actor's peak RSS above its RSS at the start of the round.
 
 Methods: ``flower`` = ``flwr.serverapp.strategy.FedAvg().aggregate_train(1, replies)`` (it
-lists the valid replies, then sums them in float32); ``streaming`` = fedagg's per-reply check
-(``strategies.fedavg.validate_reply``) + :func:`strategies.streaming.fold_replies` into one
-:class:`fedagg.accumulate.Accumulator`, then the mean as an ArrayRecord; ``sharded<S>`` =
-the same into ``S`` Ray actors (:class:`server.sharded.ShardedAccumulator`); ``replies`` =
-the harness alone (replies built and dropped). Cases whose projected peak exceeds
+lists the valid replies, then sums them in float32); ``streaming`` = fedagg's
+``strategies.FedAvg().aggregate_train(1, replies)`` (per-reply checks, the round guards on
+with their defaults, each reply folded into one :class:`fedagg.accumulate.Accumulator` and
+dropped); ``sharded<S>`` = ``strategies.FedAvg(shards=S)``, the accumulator on ``S`` Ray
+actors (:class:`server.sharded.ShardedAccumulator`); ``replies`` = the harness alone
+(replies built and dropped). Cases whose projected peak exceeds
 ``--budget-gib`` are skipped and listed (Flower's grows with N: ~N + 2 models).
 
 Usage::
@@ -136,26 +137,27 @@ def run_case(params: int, n: int, method: str) -> dict[str, object]:
         r.reshape(-1)[:] = 0.01
     out: dict[str, object] = {"params": sum(int(np.prod(s)) for s in shapes), "sites": n,
                               "method": method, "model_bytes": model_bytes}
-    sharded = None
+    strategy = None
     if method.startswith("sharded"):
         import ray
 
-        from fedagg.accumulate import ShardPlan
-        from server.sharded import ShardedAccumulator
-
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
                  object_store_memory=max(3 * model_bytes, 200 * 2**20))
-        sharded = ShardedAccumulator(ShardPlan.for_model(reference, int(method[7:])))
+    if method == "streaming" or method.startswith("sharded"):
+        from strategies.fedavg import FedAvg
+
+        strategy = FedAvg(min_available_nodes=1,
+                          shards=int(method[7:]) if method.startswith("sharded") else 0)
     tiny = [(8, 64), (8,), (10, 8), (10,)]
-    aggregate(method, tiny, 2, [np.full(t, 0.01, np.float32) for t in tiny], sharded,
-              [0.0])  # warm-up: lazy imports and first calls happen before the baseline
+    aggregate(method, tiny, 2, [np.full(t, 0.01, np.float32) for t in tiny], strategy,
+              [0.0])  # warm-up: lazy imports, first calls (and the Ray actors) before the baseline
     clock = [0.0]
     mem = PeakMemory()
     mem.start()
     base = current_rss() or 0
     parts = AnonPeak()
     t0 = time.perf_counter()
-    aggregate(method, shapes, n, reference, sharded, clock)
+    aggregate(method, shapes, n, reference, strategy, clock)
     seconds = time.perf_counter() - t0
     split = parts.stop()
     span = mem.stop()
@@ -165,6 +167,7 @@ def run_case(params: int, n: int, method: str) -> dict[str, object]:
                fold_gbps=(n * model_bytes / fold_s / 1e9) if method != "replies" else None,
                anon_peak_models=split["RssAnon"] / model_bytes,
                shmem_peak_models=split["RssShmem"] / model_bytes)
+    sharded = getattr(strategy, "_sharded", None)
     if sharded is not None:
         actors = sharded.actor_memory()
         out["actors"] = actors
@@ -178,12 +181,10 @@ def run_case(params: int, n: int, method: str) -> dict[str, object]:
 
 
 def aggregate(method: str, shapes: list[tuple[int, ...]], n: int,
-              reference: list[np.ndarray], sharded, clock: list[float]) -> None:  # type: ignore[no-untyped-def]
+              reference: list[np.ndarray], strategy, clock: list[float]) -> None:  # type: ignore[no-untyped-def]
     """Aggregate ``n`` replies with ``method`` (the measured part of a case)."""
     from flwr.serverapp.strategy import FedAvg
 
-    from strategies.fedavg import validate_reply
-    from strategies.streaming import fold_replies, new_accumulator
     from strategies.wire import arrays_to_record
 
     keys = [str(j) for j in range(len(shapes))]
@@ -196,23 +197,17 @@ def aggregate(method: str, shapes: list[tuple[int, ...]], n: int,
         for msg in replies(shapes, n, clock):
             del msg
         return
-    acc = new_accumulator(reference, sharded=sharded,
-                          shards=0 if sharded is None else sharded.shards)
+    from flwr.app import ConfigRecord
 
-    def check(reply):  # type: ignore[no-untyped-def]
-        arrays, weight, metrics = validate_reply(reply, keys, reference)
-        return arrays, weight, dict(metrics)
-
-    fold = fold_replies(replies(shapes, n, clock), acc, check)
-    assert len(fold.folded) == n, fold.rejected
-    if sharded is not None:
-        record = sharded.mean_record(keys)  # joined from the shards' pieces: one copy
-    else:
-        mean = acc.mean()
-        del acc  # the in-process accumulator goes before the result is serialised
-        record = arrays_to_record(mean, keys)
-        del mean
+    strategy.configure_train(1, arrays_to_record(reference, keys), ConfigRecord(), _Nodes())
+    record, _ = strategy.aggregate_train(1, replies(shapes, n, clock))
+    assert record is not None and not strategy.last_rejected, strategy.last_rejected
     del record
+
+
+class _Nodes:
+    def get_node_ids(self) -> list[int]:
+        return list(range(1, 1025))
 
 
 def projected_gib(params: int, n: int, method: str) -> float:

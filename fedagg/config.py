@@ -220,6 +220,18 @@ class StrategyConfig(_Section):
         description="Commit a new global model only if its L2 distance from the old one is at "
         "most this (any strategy, also the secure aggregate); None = only the finite check.",
     )
+    shards: int = Field(
+        0, ge=0, le=1024,
+        description="Sharded aggregation: 0 or 1 aggregates in the server process; S >= 2 "
+        "splits the streamed accumulator over S Ray actors, each holding 1/S of it (the "
+        "cluster of Flower's simulation, or a local one); the same bits either way.",
+    )
+    stream_retain: int = Field(
+        2, ge=0, le=1000,
+        description="Updates kept per criterion (the largest delta norms and weights; on "
+        "disk from 16 MiB) so that the median-relative guards can correct the streamed sum "
+        "exactly; a round needing more corrections is not committed. 0 = keep none.",
+    )
     options: dict[str, Any] = Field(
         default_factory=dict,
         description="Options of the strategy: a plugin's (validated by its config model) or "

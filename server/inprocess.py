@@ -123,6 +123,10 @@ class InProcessGrid(Grid):
                 self._replies[msg.metadata.message_id] = reply
         return ids
 
+    push_messages.replies_ready = True  # type: ignore[attr-defined]
+    """Every reply exists once ``push_messages`` returns (``strategies.base.stream_exchange``
+    stops waiting when a pull finds none: the silent nodes never answer)."""
+
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         """Replies for ``message_ids`` (each returned once)."""
         return [self._replies.pop(m) for m in list(message_ids) if m in self._replies]

@@ -1,10 +1,13 @@
 """fedagg's round driver over any Flower Message-API strategy, and what it records.
 
-A round is Flower's own protocol, ``configure_train`` -> ``grid.send_and_receive`` ->
-``aggregate_train`` (as ``Strategy.start()`` runs it). fedagg's server loop
-(:func:`run_train_round`) runs exactly that and *adds*: replies are filtered (stale, foreign
-or duplicate replies refused), transient error replies are retried within the deadline when
-the strategy allows it, and bytes, seconds and rejections are recorded. Wrappers that need
+A round is Flower's own protocol, ``configure_train`` -> send the messages, receive the
+replies -> ``aggregate_train`` (as ``Strategy.start()`` runs it). fedagg's server loop
+(:func:`run_train_round`) runs exactly that and *adds*: the replies are handed to
+``aggregate_train`` as they arrive (:func:`stream_exchange`: ``Grid.push_messages`` /
+``pull_messages``, a generator, so a streaming strategy holds one reply at a time instead of
+all of them), replies are filtered (stale, foreign or duplicate replies refused), transient
+error replies are retried within the deadline when the strategy allows it, and bytes,
+seconds and rejections are recorded. Wrappers that need
 more exchanges (secure aggregation's key setup and unmasking) run them inside
 ``configure_train`` / ``aggregate_train`` with the Grid they were given, so they work under
 ``Strategy.start()`` too, and report those exchanges in :attr:`RoundLog` (``round_log``).
@@ -18,9 +21,10 @@ of the updates (and so can run on a masked sum) says so with ``aggregates_linear
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -39,6 +43,7 @@ __all__ = [
     "filter_replies",
     "run_evaluate_round",
     "run_train_round",
+    "stream_exchange",
 ]
 
 _log = logging.getLogger(__name__)
@@ -200,6 +205,114 @@ def exchange(
     return list(final.values()), refused, bytes_down, attempts
 
 
+@dataclass
+class ExchangeLog:
+    """What :func:`stream_exchange` saw (filled in while it runs)."""
+
+    bytes_down: int = 0
+    bytes_up: int = 0
+    """Serialized size of the replies handed over (error replies excluded)."""
+    attempts: int = 0
+    replies: int = 0
+    """Replies handed over (error replies included)."""
+    ok: int = 0
+    """Replies handed over that are not error replies."""
+    refused: dict[str, str] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    """Node id -> reason, for error replies and nodes that did not answer in time."""
+    seconds: float = 0.0
+    """Seconds spent sending and waiting for replies (not in the consumer)."""
+
+
+def stream_exchange(grid: Grid, messages: list[Message], timeout: float, *, retries: int = 0,
+                    rebuild: Callable[[list[int]], list[Message]] | None = None,
+                    log: ExchangeLog | None = None, poll: float = 0.05) -> Iterator[Message]:
+    """Send ``messages`` and yield each reply as it arrives, until all came or the deadline.
+
+    The streaming form of :func:`exchange` (``Grid.push_messages`` then ``pull_messages`` of
+    the pending ids, as ``send_and_receive`` does, but handing each reply over at once and
+    keeping none): the same filtering (a reply to an unknown or earlier message, a second
+    reply to a message, a reply from another node than the one addressed are refused, named
+    in ``log.refused``) and the same retries (a transient error reply is not handed over
+    while ``retries`` and time allow: its node is sent its message again, rebuilt by
+    ``rebuild``; permanent errors are handed over). Nodes still silent at the deadline are
+    named in ``log.errors``.
+    """
+    log = log if log is not None else ExchangeLog()
+    t0 = time.perf_counter()
+    deadline = time.monotonic() + timeout
+    log.bytes_down += sum(message_nbytes(m) for m in messages)
+    pending: dict[str, int] = {}  # message id -> node it was sent to
+    tries: dict[int, int] = {}
+    answered: set[str] = set()
+
+    def push(batch: list[Message]) -> None:
+        ids = [str(i) for i in grid.push_messages(batch)]
+        for i, m in enumerate(batch):  # the Grid set each message's id (replies refer to it)
+            mid = m.metadata.message_id or (ids[i] if i < len(ids) else f"unsent-{i}")
+            pending[str(mid)] = m.metadata.dst_node_id
+            tries[m.metadata.dst_node_id] = tries.get(m.metadata.dst_node_id, 0) + 1
+        log.attempts = max(tries.values(), default=0)
+
+    if messages:
+        push(list(messages))
+    # a Grid that computes every reply inside push_messages (server.inprocess) says so: a
+    # pull that finds nothing then means the remaining nodes never answer
+    ready = bool(getattr(getattr(type(grid), "push_messages", None), "replies_ready", False))
+    try:
+        while pending:
+            arrived = list(grid.pull_messages(list(pending)))
+            if not arrived:
+                if ready or time.monotonic() >= deadline:
+                    break
+                time.sleep(poll)
+                continue
+            arrived.reverse()
+            while arrived:
+                r = arrived.pop()  # the list never holds a reply that was handed over
+                rid = r.metadata.reply_to_message_id
+                node = r.metadata.src_node_id
+                if rid in answered:
+                    log.refused[str(node)] = f"node {node}: duplicate reply to message {rid!r}"
+                elif rid not in pending:
+                    log.refused[str(node)] = (f"node {node}: reply to an unknown or earlier "
+                                              f"message {rid!r} (stale or foreign)")
+                elif pending[rid] != node:
+                    log.refused[str(node)] = (f"node {node}: replied to a message addressed "
+                                              f"to node {pending[rid]}")
+                else:
+                    del pending[rid]
+                    answered.add(rid)
+                    if (r.has_error() and not _is_permanent(r.error.reason or "")
+                            and rebuild is not None and tries.get(node, 1) <= retries
+                            and time.monotonic() < deadline):
+                        _log.info("retrying site %d after a transient error (attempt %d)", node,
+                                  tries.get(node, 1) + 1)
+                        again = rebuild([node])
+                        log.bytes_down += sum(message_nbytes(m) for m in again)
+                        push(again)
+                        continue
+                    log.replies += 1
+                    if r.has_error():
+                        log.errors[str(node)] = r.error.reason or "error reply"
+                    else:
+                        log.ok += 1
+                        log.bytes_up += message_nbytes(r)
+                    log.seconds += time.perf_counter() - t0
+                    yield r
+                    del r
+                    gc.collect(1)  # Flower's self-referencing record views of a used reply
+                    t0 = time.perf_counter()
+                    continue
+                _log.warning("refused reply: %s", log.refused[str(node)])
+            if pending and time.monotonic() >= deadline:
+                break
+        for node in pending.values():
+            log.errors.setdefault(str(node), f"no reply within {timeout:.0f} s")
+    finally:
+        log.seconds += time.perf_counter() - t0
+
+
 def round_log(strategy: Strategy) -> RoundLog | None:
     """The wrapper's :class:`RoundLog` of the round just run, if it keeps one."""
     log = getattr(strategy, "round_log", None)
@@ -216,8 +329,10 @@ def run_train_round(
     *,
     retries: int = 0,
 ) -> RoundResult:
-    """configure_train -> send_and_receive -> aggregate_train, measuring bytes and seconds.
+    """configure_train -> send, stream the replies -> aggregate_train, measuring bytes and seconds.
 
+    ``aggregate_train`` gets the replies as they arrive (:func:`stream_exchange`); its
+    ``"exchange"`` seconds are the time spent waiting for them, ``"aggregate"`` the rest.
     Replies are filtered (stale / foreign / duplicate replies refused); transient error replies
     are retried within the deadline when ``retries > 0`` and the strategy allows it
     (``allows_retries``; secure aggregation does not: a message must not be answered twice).
@@ -232,26 +347,23 @@ def run_train_round(
 
     t1 = time.perf_counter()
     allowed = bool(getattr(strategy, "allows_retries", True))
-    replies, refused, bytes_down, attempts = (
-        exchange(grid, messages, timeout, retries=retries if allowed else 0, rebuild=rebuild)
-        if messages else ([], {}, 0, 0))
-    t2 = time.perf_counter()
-    ok = [r for r in replies if not r.has_error()]
-    errors = {str(r.metadata.src_node_id): r.error.reason or "error reply"
-              for r in replies if r.has_error()}
-    answered = {r.metadata.src_node_id for r in replies}
-    for node in by_node:
-        if node not in answered:
-            errors.setdefault(str(node), f"no reply within {timeout:.0f} s")
-    bytes_up = sum(message_nbytes(r) for r in ok)
-    new_arrays, metrics = strategy.aggregate_train(server_round, replies)
+    ex = ExchangeLog()
+    replies = stream_exchange(grid, messages, timeout, retries=retries if allowed else 0,
+                              rebuild=rebuild, log=ex)
+    try:  # the strategy takes the replies as they arrive (a generator, never listed here)
+        new_arrays, metrics = strategy.aggregate_train(server_round, replies)
+    finally:  # what it did not take (it stopped early, or raised) is received and dropped,
+        for _ in replies:  # so no reply of this round is left behind on the Grid
+            pass
     t3 = time.perf_counter()
-    rejected = {**refused, **dict(getattr(strategy, "last_rejected", {}) or {})}
-    seconds = {"configure": t1 - t0, "exchange": t2 - t1, "aggregate": t3 - t2}
+    rejected = {**ex.refused, **dict(getattr(strategy, "last_rejected", {}) or {})}
+    ok = ex.ok
+    seconds = {"configure": t1 - t0, "exchange": ex.seconds,
+               "aggregate": max(t3 - t1 - ex.seconds, 0.0)}
     result = RoundResult(
-        arrays=new_arrays, metrics=metrics, bytes_down=bytes_down, bytes_up=bytes_up,
-        exchanges=max(attempts, 1), sampled=len(messages), replies=len(ok),
-        failures=len(messages) - len(ok), rejected=rejected, seconds=seconds, errors=errors)
+        arrays=new_arrays, metrics=metrics, bytes_down=ex.bytes_down, bytes_up=ex.bytes_up,
+        exchanges=max(ex.attempts, 1), sampled=len(messages), replies=ok,
+        failures=len(messages) - ok, rejected=rejected, seconds=seconds, errors=dict(ex.errors))
     log = round_log(strategy)
     if log is not None:
         result.bytes_down += log.bytes_down

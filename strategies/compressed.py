@@ -29,8 +29,9 @@ site's vote table reveals its top-k indices; :class:`fedagg.update.UploadSpec`).
 
 from __future__ import annotations
 
+import gc
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -50,6 +51,7 @@ from fedagg.update import (
     decode_down,
     encode_down,
 )
+from fedagg.update.decode import decode_sparse
 from strategies.fedavg import FedAvg, check_metadata, validate_reply
 from strategies.wire import (
     INSTRUCTION_KEY,
@@ -60,7 +62,13 @@ from strategies.wire import (
     payload_bytes,
     record_to_arrays,
 )
-from strategies.wrapper import StrategyWrapper, inner_aggregate, is_linear, model_record_key
+from strategies.wrapper import (
+    StrategyWrapper,
+    inner_aggregate,
+    is_linear,
+    model_record_key,
+    streams_updates,
+)
 
 __all__ = ["Compressed"]
 
@@ -173,8 +181,13 @@ class Compressed(StrategyWrapper):
         return out
 
     # -- upward --------------------------------------------------------------------------------
-    def decode_reply(self, reply: Message) -> tuple[list[np.ndarray], float, dict[str, Any]]:
+    def decode_reply(self, reply: Message, *, sparse: bool = False
+                     ) -> tuple[list[np.ndarray], float, dict[str, Any]]:
         """Decode and check one reply; return ``(delta, weight, metrics)``.
+
+        With ``sparse`` a sparse tensor comes back as :class:`fedagg.accumulate.Sparse`
+        (its positions and values; no dense copy), for an inner strategy that folds updates
+        as they come (:func:`strategies.wrapper.streams_updates`).
 
         Raises
         ------
@@ -218,9 +231,9 @@ class Compressed(StrategyWrapper):
             raise UpdateRejected(f"{site}: undecodable payload: {exc}") from None
         if self.spec.sketch:
             return [self._sketch_table(data, site)], float(raw), metrics
-        delta = decode_delta(data, shapes=[tuple(s.shape) for s in sent],
-                             support=self.history.support, site=site,
-                             max_norm=self.max_update_norm)
+        decode = decode_sparse if sparse else decode_delta
+        delta = decode(data, shapes=[tuple(s.shape) for s in sent],
+                       support=self.history.support, site=site, max_norm=self.max_update_norm)
         return list(delta), float(raw), metrics
 
     def _sketch_table(self, data: bytes, site: str) -> np.ndarray:
@@ -275,25 +288,38 @@ class Compressed(StrategyWrapper):
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Decode and check every reply; ``inner`` aggregates the good ones."""
+        """Decode and check every reply; ``inner`` aggregates the good ones.
+
+        ``replies`` may be any iterable; when ``inner`` folds updates as they come (fedagg's
+        FedAvg), each reply is decoded (sparse tensors stay sparse), handed over and released
+        before the next, so nothing is listed. A Flower strategy as ``inner`` gets the list
+        of replies the deltas imply, as Flower hands them over.
+        """
         if self._current is None:
             raise RuntimeError("aggregate_train called before configure_train")
-        good = []
+        keys, current = self._current
+        stream = not self.spec.sketch and streams_updates(self.inner)
+        good = self._decoded(server_round, replies, sparse=stream)
+        if self.spec.sketch:
+            return self._aggregate_sketches(server_round, list(good))
+        return inner_aggregate(self.inner, server_round, good, keys, current,
+                               guards=self.guards, rejected=self.last_rejected)
+
+    def _decoded(self, server_round: int, replies: Iterable[Message], *, sparse: bool
+                 ) -> Iterator[tuple[list[np.ndarray], float, dict[str, Any], Message]]:
+        """The checked updates of ``replies``, one at a time (refusals recorded)."""
         for reply in replies:
             if not reply.has_error():
                 self.history.replied([reply.metadata.src_node_id])
             try:
-                delta, weight, metrics = self.decode_reply(reply)
+                delta, weight, metrics = self.decode_reply(reply, sparse=sparse)
             except UpdateRejected as exc:
                 self.last_rejected[str(reply.metadata.src_node_id)] = str(exc)
                 _log.warning("round %d: rejected update: %s", server_round, exc)
                 continue
-            good.append((delta, weight, metrics, reply))
-        if self.spec.sketch:
-            return self._aggregate_sketches(server_round, good)
-        keys, current = self._current
-        return inner_aggregate(self.inner, server_round, good, keys, current,
-                               guards=self.guards, rejected=self.last_rejected)
+            yield delta, weight, metrics, reply
+            del delta, reply
+            gc.collect(1)  # Flower's self-referencing record views (strategies.streaming)
 
     def state_dict(self) -> dict[str, Any]:
         """The inner strategy's state, the support history and FetchSGD's tables."""

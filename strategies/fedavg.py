@@ -20,7 +20,11 @@ docs/plugins.md:
 * a float reply of another precision (float64 for a float32 model) is cast to the model's
   dtype, as Flower's arithmetic would; ``strict_dtypes=True`` refuses it instead;
 * fewer valid replies than ``min_sites`` leaves the global model unchanged;
-* accumulation is in float64, in a deterministic order (by the site's ``partition-id``);
+* replies are aggregated as they come (streamed): each is checked, folded into an exact
+  integer accumulator and dropped, so the server holds ~3 models whatever the number of sites,
+  and the result is the same bits for every arrival order (fedagg.accumulate; the whole-round
+  guards correct the few updates they refuse or cap exactly, docs/architecture/
+  server-memory.md); ``shards=S`` splits the accumulator over S Ray actors (same bits);
 * sampling is seeded (``seed`` and the round), so runs are reproducible; like Flower it waits
   until ``min_available_nodes`` nodes are connected;
 * ``partition-id`` and ``server-round`` are not averaged as metrics; the old metric names
@@ -31,11 +35,12 @@ docs/plugins.md:
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import random
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -43,6 +48,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
+from fedagg.accumulate import WeightBuckets
 from fedagg.aggregate import (
     MEDIAN_MIN_UPDATES,
     ServerOptimizer,
@@ -54,11 +60,11 @@ from fedagg.aggregate import (
     model_change_problem,
     norm_outliers,
     subtract,
-    weighted_mean,
 )
 from fedagg.config import RunConfig
 from fedagg.errors import UpdateRejected, explain
 from strategies.base import FedaggStrategy
+from strategies.streaming import StreamRound, new_accumulator
 from strategies.wire import arrays_to_record, record_to_arrays
 
 __all__ = ["MAX_PARTITION_ID", "METRIC_ALIASES", "NOT_METRICS", "FedAvg", "Update",
@@ -214,7 +220,10 @@ def aggregate_metrics(metrics: Sequence[dict[str, Any]], weights: Sequence[float
     top = max((float(w) for w in weights), default=0.0)
     if not (math.isfinite(top) and top > 0):
         return MetricRecord()
-    weights = [float(w) / top for w in weights]  # no overflow for weights up to ~1e308
+    # scaled by a power of two (exact: the same bits as unscaled weights), so that weights up
+    # to ~1e308 do not overflow the sums
+    shift = -math.frexp(top)[1]
+    weights = [math.ldexp(float(w), shift) for w in weights]
     total = float(sum(weights))
     acc: dict[str, float] = {}
     seen: dict[str, float] = {}
@@ -303,6 +312,12 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
     wait_timeout : float, optional
         Longest wait for ``min_available_nodes`` nodes (None: as long as it takes, like
         Flower).
+    shards : int
+        ``0`` / ``1``: aggregate in this process; ``S >= 2``: on S Ray actors, each holding
+        1/S of the accumulator (:class:`server.sharded.ShardedAccumulator`; same bits).
+    stream_retain : int
+        Updates kept per criterion (largest norms, largest weights) so that the round guards
+        can correct the streamed sum exactly; a round needing more corrections is refused.
     """
 
     aggregates_linearly: ClassVar[bool] = True
@@ -316,7 +331,8 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
                  strict_dtypes: bool = False, seed: int = 0,
                  wait_timeout: float | None = None, max_weight: float | None = None,
                  max_weight_ratio: float = 10.0, norm_outlier_factor: float = 10.0,
-                 max_model_change: float | None = None, **kwargs: Any) -> None:
+                 max_model_change: float | None = None, shards: int = 0,
+                 stream_retain: int = 2, **kwargs: Any) -> None:
         # Flower logs a warning for a 0 fraction at every construction; fedagg's run config
         # defaults to fraction_evaluate = 0 (centralized evaluation), so set it quietly.
         super().__init__(fraction_train=fraction_train or 1.0,
@@ -347,6 +363,9 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
         self.last_accepted: list[int] = []
         self.last_site_metrics: dict[str, dict[str, float]] = {}
         self._global: tuple[list[str], list[np.ndarray]] | None = None
+        self.shards = int(shards)
+        self.stream_retain = int(stream_retain)
+        self._sharded: Any = None  # the Ray actors, kept from round to round
 
     @classmethod
     def from_config(cls, options: Any, cfg: RunConfig) -> FedAvg:
@@ -361,7 +380,8 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
                    wait_timeout=cfg.run.wait_for_sites, max_weight=s.max_weight,
                    max_weight_ratio=s.max_weight_ratio,
                    norm_outlier_factor=s.norm_outlier_factor,
-                   max_model_change=s.max_model_change)
+                   max_model_change=s.max_model_change, shards=s.shards,
+                   stream_retain=s.stream_retain)
 
     @property
     def current_global(self) -> tuple[list[str], list[np.ndarray]]:
@@ -431,57 +451,102 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
     # -- aggregation -------------------------------------------------------------------------
     def accept(self, replies: Iterable[Message], server_round: int | None = None) -> list[Update]:
         """Validate every reply; the good ones (their models), bad ones named."""
+        return list(self.accepted(replies, server_round))
+
+    def accepted(self, replies: Iterable[Message], server_round: int | None = None
+                 ) -> Iterator[Update]:
+        """:meth:`accept` one reply at a time: each good update is yielded, then released.
+
+        Nothing of a reply is kept once the consumer has dropped its update (the arrays are
+        read-only views on the reply's bytes): the streamed :meth:`aggregate_train`.
+        """
         if self._global is None:
             raise RuntimeError("aggregate_train called before configure_train")
         keys, reference = self._global
         self.last_rejected = {}
-        good: list[Update] = []
         for reply in replies:
+            node = reply.metadata.src_node_id
             try:
                 arrays, weight, metrics = validate_reply(
                     reply, keys, reference, weight_key=self.weighted_by_key,
                     max_norm=self.max_update_norm, server_round=server_round,
                     strict_dtypes=self.strict_dtypes, max_weight=self.guards.max_weight)
             except UpdateRejected as exc:
-                self.last_rejected[str(reply.metadata.src_node_id)] = str(exc)
+                self.last_rejected[str(node)] = str(exc)
                 _log.warning("rejected update: %s", exc)
                 continue
-            good.append((arrays, weight, dict(metrics), reply.metadata.src_node_id))
-        return good
+            finally:
+                del reply
+            yield arrays, weight, dict(metrics), node
+            del arrays
+            # Flower's typed record views (content.array_records) are self-referencing: the
+            # reply's bytes would wait for a cyclic GC; the young generations are microseconds
+            gc.collect(1)
+
+    def _accumulator(self, current: Sequence[np.ndarray]) -> WeightBuckets:
+        """The round's accumulator: in this process, or the Ray actors (kept across rounds)."""
+        acc = new_accumulator(current, shards=self.shards, sharded=self._sharded)
+        if self.shards > 1:
+            self._sharded = acc.first
+        return acc
 
     def aggregate_updates(self, server_round: int, updates: Iterable[Update], *,
                           deltas: bool = True, sites: int | None = None
                           ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Weighted mean of checked updates, applied through the server optimizer.
 
-        The round-level guards run first (:func:`guard_updates`), and the new model is
-        committed only if :func:`fedagg.aggregate.model_change_problem` finds nothing (else the
-        optimizer's state is rolled back and ``None`` returned, the reason in
-        :attr:`last_guarded` under ``"server"``).
+        ``updates`` is consumed once, each update folded as it comes (never listed; its
+        tensors may be :class:`fedagg.accumulate.Sparse`); the round-level guards take
+        :func:`guard_updates`' decisions on the stream (:class:`strategies.streaming.
+        StreamRound`), and the new model is committed only if
+        :func:`fedagg.aggregate.model_change_problem` finds nothing (else the optimizer's state
+        is rolled back and ``None`` returned, the reason in :attr:`last_guarded` under
+        ``"server"``).
 
         The entry point for wrappers that decode updates themselves (compressed, secure): no
         Flower records in between. ``deltas=False``: the updates are whole models (plain
         replies); with ``server_optimizer = "none"`` the new model is then their weighted
-        mean itself, exactly as Flower computes it. ``sites``: how many sites the updates
+        mean itself, as Flower computes it (within the accumulator's bound, ~1e-10 of each
+        tensor's scale). ``sites``: how many sites the updates
         stand for (secure aggregation hands over one aggregate), for the ``min_sites`` check.
         """
         if self._global is None:
             raise RuntimeError("aggregate_updates called before configure_train")
         keys, current = self._global
         self.last_guarded, self.last_capped = {}, {}
-        ordered = sorted(updates, key=lambda g: (partition_of(g[2]), g[3]))
-        good, weights = guard_updates(ordered, self.guards, current, deltas=deltas,
-                                      server_round=server_round, rejected=self.last_guarded,
-                                      capped=self.last_capped)
-        self.last_accepted = [partition_of(g[2]) for g in good]
-        self.last_site_metrics = {str(partition_of(g[2])): _numbers(g[2]) for g in good}
+        acc = self._accumulator(current)
+        stream = StreamRound(acc, self.guards, current, deltas=deltas, server_round=server_round,
+                             retain=self.stream_retain)
+        for update in updates:  # any iterable, consumed once: each update folded, then dropped
+            stream.add(update)
+            del update
+        kept, capped_weights, problem = stream.close()
+        self.last_guarded.update(stream.rejected)
+        self.last_capped.update(stream.capped)
+        order = sorted(range(len(kept)), key=lambda i: (partition_of(kept[i][1]), kept[i][2]))
+        good = [kept[i] for i in order]
+        weights = [capped_weights[i] for i in order]
+        self.last_accepted = [partition_of(m) for _, m, _ in good]
+        self.last_site_metrics = {str(partition_of(m)): _numbers(m) for _, m, _ in good}
         count = len(good) if sites is None else int(sites)
+        if problem:
+            self.last_guarded["server"] = problem
+            self.last_rejected.update(self.last_guarded)
+            _log.error("%s", problem)
+            return None, None
         if count < self.min_sites or not good:
             self.last_rejected.update(self.last_guarded)
             _log.warning("round %d: %d valid updates < min_sites=%d; global model unchanged",
                          server_round, count, self.min_sites)
             return None, None
-        mean = weighted_mean([g[0] for g in good], weights)
+        record = None
+        if (not deltas and self.optimizer.kind == "none" and acc.buckets == 1
+                and hasattr(acc.first, "mean_record")):  # sharded: the record from the shards
+            record = acc.first.mean_record(keys)
+            mean = record_to_arrays(record, copy=False)[1]
+        else:
+            mean = acc.mean()
+        del acc, stream  # the accumulator goes before the new model is built
         snap = self.optimizer.snapshot()
         if deltas:
             new = self.optimizer.step(current, mean)
@@ -498,13 +563,19 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
             _log.error("%s", self.last_guarded["server"])
             return None, None
         self.last_rejected.update(self.last_guarded)
-        metrics = aggregate_metrics([g[2] for g in good], weights)
+        metrics = aggregate_metrics([m for _, m, _ in good], weights)
+        if record is not None and new is mean:
+            return record, metrics
         return arrays_to_record(new, keys), metrics
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Weighted mean of the valid replies, applied through the server optimizer."""
-        return self.aggregate_updates(server_round, self.accept(replies, server_round),
+        """Weighted mean of the valid replies, applied through the server optimizer.
+
+        ``replies`` may be any iterable (a generator of replies as they arrive): it is never
+        listed; each reply is checked, folded and released before the next.
+        """
+        return self.aggregate_updates(server_round, self.accepted(replies, server_round),
                                       deltas=False)
 
     def state_dict(self) -> dict[str, Any]:

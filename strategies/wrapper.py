@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -34,7 +34,8 @@ from strategies.base import FedaggStrategy, RoundLog
 from strategies.fedavg import guard_updates
 from strategies.wire import arrays_to_record
 
-__all__ = ["StrategyWrapper", "inner_aggregate", "is_linear", "model_record_key"]
+__all__ = ["StrategyWrapper", "inner_aggregate", "is_linear", "model_record_key",
+           "streams_updates"]
 
 _log = logging.getLogger(__name__)
 
@@ -104,31 +105,40 @@ def as_reply(reply: Message, content: RecordDict) -> Message:
     return out
 
 
+def streams_updates(inner: Strategy) -> bool:
+    """Whether ``inner`` takes decoded updates directly (fedagg's ``aggregate_updates``, not
+    overridden by a subclass's ``aggregate_train``): they can then be streamed to it, sparse
+    tensors as they are (:class:`fedagg.accumulate.Sparse`)."""
+    direct = getattr(inner, "aggregate_updates", None)
+    return callable(direct) and not _overridden_after(type(inner), "aggregate_updates",
+                                                      "aggregate_train")
+
+
 def inner_aggregate(inner: Strategy, server_round: int,
-                    updates: Sequence[tuple[list[np.ndarray], float, dict[str, Any], Message]],
+                    updates: Iterable[tuple[list[np.ndarray], float, dict[str, Any], Message]],
                     keys: list[str], current: list[np.ndarray], *, sites: int | None = None,
                     guards: UpdateGuards | None = None, rejected: dict[str, str] | None = None
                     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
     """Hand checked deltas to ``inner``: directly, or as the train replies they imply.
 
-    ``updates`` holds ``(delta, weight, metrics, original reply)``; ``current`` is the global
+    ``updates`` holds ``(delta, weight, metrics, original reply)``; an iterator is streamed to
+    a direct ``inner`` (:func:`streams_updates`) one update at a time, never listed; ``current`` is the global
     model the deltas are taken against (full precision). fedagg's FedAvg applies its own
     round-level guards (and says what they refused, added to ``rejected``); for any other
     strategy ``guards`` (default: the defaults of :class:`fedagg.aggregate.UpdateGuards`) run
     here, before the replies are built: norm bombs are refused and weights capped.
     """
     out_rejected = rejected if rejected is not None else {}
-    direct = getattr(inner, "aggregate_updates", None)
-    if callable(direct) and not _overridden_after(type(inner), "aggregate_updates",
-                                                  "aggregate_train"):
+    if streams_updates(inner):
         if isinstance(getattr(inner, "last_rejected", None), dict):
             inner.last_rejected = {}  # type: ignore[attr-defined]
-        out: tuple[ArrayRecord | None, MetricRecord | None] = direct(
-            server_round, [(d, w, m, r.metadata.src_node_id) for d, w, m, r in updates],
+        out: tuple[ArrayRecord | None, MetricRecord | None] = inner.aggregate_updates(  # type: ignore[attr-defined]
+            server_round, ((d, w, m, r.metadata.src_node_id) for d, w, m, r in updates),
             **({"sites": sites} if sites is not None else {}))
         for who, why in dict(getattr(inner, "last_guarded", {}) or {}).items():
             out_rejected.setdefault(str(who), why)
         return out
+    updates = list(updates)  # a Flower strategy gets replies: all of them, as Flower does
     by_node = {r.metadata.src_node_id: r for _, _, _, r in updates}
     kept, weights = guard_updates(
         [(d, w, m, r.metadata.src_node_id) for d, w, m, r in updates],

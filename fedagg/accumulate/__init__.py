@@ -9,7 +9,9 @@
   addressed without copies, for sharded aggregation (one accumulator per shard; the Ray
   actors in ``server/sharded.py``).
 * :class:`RoundStatistics` / :func:`delta_norm` — the statistics pass of the whole-round
-  checks (median weight, median delta norm): scalars per reply, never the updates.
+  checks (median weight, median delta norm): scalars per reply, never the updates;
+  :class:`Retainer` keeps the few updates those checks may still correct (bounded, spilled
+  to disk when large).
 
 See docs/architecture/server-memory.md for the server's memory model.
 """
@@ -25,19 +27,25 @@ from fedagg.accumulate.exact import (
     max_abs,
 )
 from fedagg.accumulate.layout import Piece, ShardPlan
+from fedagg.accumulate.retain import DEFAULT_SPILL_BYTES, Retainer
 from fedagg.accumulate.stats import MEDIAN_MIN_UPDATES, RoundStatistics, delta_norm
+from fedagg.accumulate.weights import BUCKET_BITS, WeightBuckets
 
 __all__ = [
     "BLOCK",
+    "BUCKET_BITS",
     "DEFAULT_PRECISION_BITS",
+    "DEFAULT_SPILL_BYTES",
     "MEDIAN_MIN_UPDATES",
     "Accumulator",
     "Piece",
+    "Retainer",
     "RoundStatistics",
     "ShardPlan",
     "Sparse",
     "TensorSpec",
     "TensorUpdate",
+    "WeightBuckets",
     "delta_norm",
     "grid_exponents",
     "max_abs",

@@ -263,8 +263,11 @@ class Accumulator:
 
     @property
     def total_weight(self) -> float:
-        """The exact sum of the weights folded so far, rounded once to float64."""
-        return float(self._weight)
+        """The exact sum of the weights folded so far, rounded once to float64 (inf beyond)."""
+        try:
+            return float(self._weight)
+        except OverflowError:
+            return math.inf if self._weight > 0 else -math.inf
 
     @property
     def nbytes(self) -> int:
@@ -372,7 +375,10 @@ class Accumulator:
         return self._fbuf[:n], self._ibuf[:n]
 
     def _scale(self, j: int, w: float) -> float:
-        c = math.ldexp(w, -self.specs[j].exponent)
+        try:
+            c = math.ldexp(w, -self.specs[j].exponent)
+        except OverflowError:
+            c = math.inf
         if not math.isfinite(c):
             raise UpdateRejected(explain(f"weight of tensor {j}", w,
                                          "is beyond the accumulator's range",

@@ -5,8 +5,8 @@ weight cap at a multiple of the median weight (:class:`fedagg.aggregate.UpdateGu
 cannot be decided while replies are still arriving. A streamed round therefore records, as
 each reply is checked and folded, only its scalars (site, weight, delta L2 norm) in
 :class:`RoundStatistics`, O(1) memory per site. Once the round is closed the statistics give
-the same decisions as the list-based round guards (a norm above ``factor`` x the median
-refused, a weight above ``ratio`` x the median lowered to that cap); a reply that is refused or capped
+the same decisions as the list-based round guards (:func:`fedagg.aggregate.norm_outliers`,
+:func:`fedagg.aggregate.cap_weights`, which it calls); a reply that is refused or capped
 afterwards is corrected exactly in the integer accumulator by folding it again with weight
 ``-w`` (or ``c - w``), which needs the reply once more (docs/architecture/server-memory.md:
 where it can be read again from).
@@ -25,13 +25,10 @@ import numpy as np
 import numpy.typing as npt
 
 from fedagg.accumulate.exact import BLOCK, Sparse, TensorUpdate
+from fedagg.aggregate import MEDIAN_MIN_UPDATES, cap_weights, norm_outliers
 from fedagg.errors import ConfigError, explain
 
 __all__ = ["MEDIAN_MIN_UPDATES", "RoundStatistics", "delta_norm"]
-
-MEDIAN_MIN_UPDATES = 3
-"""Fewest replies for the median-relative decisions (with two, the median is their mean and
-one site could not be told from the other); the list-based guards use the same number."""
 
 
 def delta_norm(update: Sequence[TensorUpdate],
@@ -119,14 +116,9 @@ class RoundStatistics:
 
     def norm_outliers(self, factor: float) -> list[str]:
         """Sites whose norm is above ``factor`` x the median of the finite norms (and every
-        site with a non-finite norm), in recording order."""
-        n = np.asarray(self.norms, np.float64)
-        finite = np.isfinite(n)
-        bad = ~finite
-        if factor > 0 and n.size >= MEDIAN_MIN_UPDATES and finite.any():
-            limit = float(np.median(n[finite])) * float(factor)
-            bad |= finite & (n > limit)
-        return [self.sites[i] for i in np.flatnonzero(bad)]
+        site with a non-finite norm), in recording order (:func:`~fedagg.aggregate.
+        norm_outliers`)."""
+        return [self.sites[i] for i in norm_outliers(self.norms, factor)]
 
     def capped_weights(self, max_ratio: float, *, exclude: Sequence[str] = ()
                        ) -> dict[str, tuple[float, float]]:
@@ -139,13 +131,8 @@ class RoundStatistics:
         keep = [i for i, s in enumerate(self.sites) if s not in skip]
         if len(keep) < MEDIAN_MIN_UPDATES:
             return {}
-        w = np.asarray([self.weights[i] for i in keep], np.float64)
-        if max_ratio <= 0:
-            return {}
-        cap = float(np.median(w)) * float(max_ratio)
-        if not math.isfinite(cap):
-            return {}
-        return {self.sites[keep[i]]: (float(w[i]), cap) for i in np.flatnonzero(w > cap)}
+        capped, over = cap_weights([self.weights[i] for i in keep], max_ratio)
+        return {self.sites[keep[i]]: (self.weights[keep[i]], float(capped[i])) for i in over}
 
     def state_dict(self) -> dict[str, Any]:
         """Plain lists, for a checkpoint taken mid-round."""

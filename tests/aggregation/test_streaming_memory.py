@@ -14,12 +14,13 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 from conftest import reply_message
-from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedagg.accumulate import Accumulator
 from fedagg.aggregate import weighted_mean
 from fedagg.memory import PeakMemory, peak_rss, reset_peak
-from strategies.wire import record_to_arrays
+from strategies.fedavg import FedAvg
+from strategies.wire import arrays_to_record, record_to_arrays
 
 N_PARAMS = 10_000_000
 MODEL_BYTES = 4 * N_PARAMS
@@ -61,6 +62,27 @@ def _streamed(n: int) -> tuple[int, np.ndarray]:
     return span.above_start, mean
 
 
+class _Grid:
+    def get_node_ids(self) -> list[int]:
+        return list(range(1, 65))
+
+
+def _fedavg_round(n: int) -> tuple[int, np.ndarray, FedAvg]:
+    """fedagg's FedAvg.aggregate_train fed a generator (guards on, their defaults)."""
+    strategy = FedAvg(min_available_nodes=1)
+    strategy.configure_train(1, arrays_to_record([np.zeros(N_PARAMS, np.float32)]),
+                             ConfigRecord(), _Grid())
+    gc.collect()
+    mem = PeakMemory()
+    mem.start()
+    new, _ = strategy.aggregate_train(1, _replies(n))
+    assert new is not None
+    mean = record_to_arrays(new)[1][0][:4].copy()
+    del new
+    span = mem.stop()
+    return span.above_start, mean, strategy
+
+
 def _listed(n: int) -> int:
     gc.collect()
     mem = PeakMemory()
@@ -96,3 +118,21 @@ def test_the_measurement_sees_a_list_of_replies_grow() -> None:
     cost one model each, so the streaming test above can fail."""
     few, many = _listed(2), _listed(8)
     assert many - few >= 4 * MODEL_BYTES, (few / MODEL_BYTES, many / MODEL_BYTES)
+
+
+@pytest.mark.skipif(not reset_peak() or peak_rss() is None,
+                    reason="needs /proc/self/clear_refs (Linux) to reset the peak RSS")
+def test_fedavg_aggregate_train_on_a_generator_stays_within_its_bound() -> None:
+    """Done-when of issue 19: aggregate_train fed a generator of large replies (40 MB each,
+    the round guards on): peak memory does not grow with the number of replies."""
+    few, mean_few, _ = _fedavg_round(3)
+    many, mean_many, strategy = _fedavg_round(12)
+    # the accumulator (2 models), the reply in hand or the next one being built (<= 2), then
+    # the mean and the new model's record (the accumulator released first)
+    assert many <= 4.5 * MODEL_BYTES, many / MODEL_BYTES
+    assert many - few <= 0.5 * MODEL_BYTES, (few / MODEL_BYTES, many / MODEL_BYTES)
+    assert not strategy.last_rejected and strategy.last_accepted == [-1] * 12
+    w = np.arange(10, 22, dtype=np.float64)
+    expected = float(np.sum(w * (0.001 * np.arange(1, 13, dtype=np.float32)).astype(np.float64))
+                     / w.sum())
+    assert abs(float(mean_many[0]) - expected) <= 1e-6 and float(mean_few[0]) != expected
