@@ -253,13 +253,14 @@ REPORT_JS = r"""
         fmtNum(s.compute_seconds + s.comm_wait_seconds, 2) + " s";
     });
     const head = h("tr", null, null, h("thead", null, null, st));
-    ["site", "rounds", "workers K", "examples", "compute s", "exposed comm s", "in all-reduce s", "bytes all-reduced", "bus bw GB/s"]
+    ["site", "rounds", "workers K", "examples", "compute s", "exposed comm s", "in all-reduce s", "bytes all-reduced", "bus bw GB/s", "all-reduce", "S(K) est."]
       .forEach(function (c) { h("th", null, c, head); });
     const body = h("tbody", null, null, st);
     for (const s of S) {
       const r = h("tr", {"data-site": s.site}, null, body);
       [s.site, s.rounds, s.workers, fmtNum(s.num_examples, 0), fmtNum(s.compute_seconds, 3), fmtNum(s.comm_wait_seconds, 3),
-       fmtNum(s.comm_seconds, 3), fmtBytes(s.bytes_allreduced), s.busbw_gb_s === null ? "\u2013" : fmtNum(s.busbw_gb_s, 3)]
+       fmtNum(s.comm_seconds, 3), fmtBytes(s.bytes_allreduced), s.busbw_gb_s === null ? "\u2013" : fmtNum(s.busbw_gb_s, 3),
+       s.algorithms.length ? s.algorithms.join(", ") : "\u2013", s.scaling_est === null ? "\u2013" : fmtNum(s.scaling_est, 2)]
         .forEach(function (v) { h("td", null, String(v), r); });
     }
   } else {

@@ -11,7 +11,11 @@ What the page shows, and where each figure comes from (all from the run director
   node id, with the reason, shown on hover) and ``sites_sampled`` / ``sites_failed`` counts;
 * intra-site training per site from ``site_metrics``: workers, compute vs exposed
   communication (``comm_wait_seconds``), time inside all-reduce, bytes all-reduced and the bus
-  bandwidth ``bytes / comm_seconds x 2 (K-1) / K``; metric keys are read in both spellings
+  bandwidth ``bytes / comm_seconds x 2 (K-1) / K``, the all-reduce algorithms that ran
+  (``algorithm_<name>`` flags: ``ring``, ``tree``, ``native``, ...) and an estimate of the
+  site's scaling efficiency ``S(K) ~ compute / (compute + exposed communication)`` (what the
+  exposed communication costs against a perfect split of the compute; a measured S(K) needs a
+  one-worker run, ``benchmarks/site.py``); metric keys are read in both spellings
   (``comm-wait-seconds`` and ``comm_wait_seconds``);
 * secure aggregation per round: every ``secagg_*`` key (``secagg_counted``,
   ``secagg_dropped``, ...);
@@ -201,6 +205,11 @@ def _sites(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row = per.setdefault(str(sid), {"site": str(sid), "rounds": 0,
                                             **{k: 0.0 for k in _SITE_KEYS}})
             row["rounds"] += 1
+            algs = row.setdefault("algorithms", [])
+            for key, v in m.items():
+                name = str(key)[len("algorithm_"):]
+                if str(key).startswith("algorithm_") and _number(v) and name not in algs:
+                    algs.append(name)
             for k in _SITE_KEYS:
                 v = _number(m.get(k))
                 if k == "workers":
@@ -213,6 +222,9 @@ def _sites(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         k = row["workers"]
         row["busbw_gb_s"] = (row["bytes_allreduced"] / row["comm_seconds"] * 2 * (k - 1) / k / 1e9
                              if row["comm_seconds"] > 0 and k >= 2 else None)
+        busy = row["compute_seconds"] + row["comm_wait_seconds"]
+        row["scaling_est"] = row["compute_seconds"] / busy if k >= 2 and busy > 0 else None
+        row["algorithms"] = sorted(row.get("algorithms", []))
         out.append(row)
     return out
 

@@ -24,7 +24,8 @@ def make_run(path: Path) -> list[dict[str, Any]]:
          "site_metrics": {
              # dash spelling (what sites send today) ...
              "0": {"workers": 2.0, "num-examples": 100.0, "compute-seconds": 1.0,
-                   "comm-seconds": 0.5, "comm-wait-seconds": 0.2, "bytes-allreduced": 4.0e6},
+                   "comm-seconds": 0.5, "comm-wait-seconds": 0.2, "bytes-allreduced": 4.0e6,
+                   "algorithm_ring": 1.0},
              # ... and underscore spelling (after the metric-key rename)
              "2": {"workers": 4.0, "num_examples": 50.0, "compute_seconds": 2.0,
                    "comm_seconds": 1.0, "comm_wait_seconds": 0.25, "bytes_allreduced": 8.0e6}}},
@@ -38,7 +39,8 @@ def make_run(path: Path) -> list[dict[str, Any]]:
          "train_loss": 0.95, "secagg_counted": 3, "secagg_dropped": 0, "sites": [0, 1, 2],
          "site_metrics": {"0": {"workers": 2.0, "num-examples": 100.0, "compute-seconds": 1.0,
                                 "comm-seconds": 0.5, "comm-wait-seconds": 0.3,
-                                "bytes-allreduced": 4.0e6}}},
+                                "bytes-allreduced": 4.0e6, "algorithm_native": 1.0,
+                                "algorithm_tree": 0.0}}},
     ]
     (path / "metrics.json").write_text(json.dumps(records, indent=2))
     config = {"run": {"name": "handmade", "rounds": 3, "sites": 3},

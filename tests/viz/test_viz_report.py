@@ -66,6 +66,10 @@ def test_site_metrics_in_both_key_spellings(tmp_path: Path) -> None:
     assert s2["compute_seconds"] == 2.0 and s2["comm_wait_seconds"] == 0.25  # underscores
     # bus bandwidth = bytes / time in all-reduce x 2 (K-1) / K
     assert s2["busbw_gb_s"] == pytest.approx(8.0e6 / 1.0 * 2 * 3 / 4 / 1e9)
+    # the all-reduce algorithms that ran (flags set to 1), and S(K) ~ compute / (compute +
+    # exposed comm); no algorithm and no estimate without the flags / with one worker
+    assert s0["algorithms"] == ["native", "ring"] and s2["algorithms"] == []
+    assert s0["scaling_est"] == pytest.approx(2.0 / 2.5)
 
 
 def test_secagg_dropouts(tmp_path: Path) -> None:
