@@ -174,35 +174,16 @@ def exchange(
 ) -> tuple[list[Message], dict[str, str], int, int]:
     """Send ``messages``, collect replies until the deadline, retry transient errors.
 
-    Returns ``(replies, refused, bytes_down, attempts)``. A node whose reply is an error that
-    looks transient is sent its message again (rebuilt by ``rebuild``) while time and
-    ``retries`` allow; permanent errors (configuration, data, protocol) are not retried.
+    Returns ``(replies, refused, bytes_down, attempts)``: :func:`stream_exchange` collected
+    into a list (for exchanges whose replies are small: secure aggregation's key setup and
+    unmasking, evaluation). A node whose reply is an error that looks transient is sent its
+    message again (rebuilt by ``rebuild``) while time and ``retries`` allow; permanent errors
+    (configuration, data, protocol) are not retried.
     """
-    deadline = time.monotonic() + timeout
-    bytes_down = sum(message_nbytes(m) for m in messages)
-    pending = list(messages)
-    final: dict[int, Message] = {}
-    refused: dict[str, str] = {}
-    attempts = 0
-    while pending:
-        attempts += 1
-        left = max(deadline - time.monotonic(), 0.001)
-        got, bad = filter_replies(pending, grid.send_and_receive(pending, timeout=left))
-        refused.update(bad)
-        for r in got:
-            final[r.metadata.src_node_id] = r
-        retry_nodes = [
-            r.metadata.src_node_id
-            for r in got
-            if r.has_error() and not _is_permanent(r.error.reason or "")
-        ]
-        if not retry_nodes or attempts > retries or rebuild is None or time.monotonic() >= deadline:
-            break
-        _log.info("retrying %d site(s) after transient errors (attempt %d)", len(retry_nodes),
-                  attempts + 1)
-        pending = rebuild(retry_nodes)
-        bytes_down += sum(message_nbytes(m) for m in pending)
-    return list(final.values()), refused, bytes_down, attempts
+    log = ExchangeLog()
+    replies = list(stream_exchange(grid, messages, timeout, retries=retries, rebuild=rebuild,
+                                   log=log))
+    return replies, dict(log.refused), log.bytes_down, log.attempts
 
 
 @dataclass

@@ -233,7 +233,7 @@ class SecureAggregation(StrategyWrapper):
     def _exchange(self, messages: list[Message], timeout: float, phase: str) -> list[Message]:
         """One exchange of the wrapper's own: deadline, genuine replies only, bytes counted.
 
-        Replies are filtered (:func:`strategies.base.filter_replies`): a reply to an earlier
+        Replies are filtered (:func:`strategies.base.exchange`): a reply to an earlier
         exchange's message, to a message addressed to another node, or a second reply is
         refused and recorded; error and missing replies are failures. No retries: a
         secure-aggregation message must not be answered twice.
