@@ -24,6 +24,9 @@ Against a server that lies (docs/protocols/secagg.md, section 4), a site also
 * answers an unmask request even when some relayed ciphertexts do not decrypt: it leaves out
   only those senders' shares.
 
+These checks are in :mod:`fedagg.secagg.client_checks`, the saved state
+(:meth:`ClientState.state_dict`) in :mod:`fedagg.secagg.client_record`.
+
 Protocol: Bonawitz et al., CCS 2017 (double masking, section 4) on the neighbour graph of
 Bell et al., CCS 2020 (SecAgg+).
 """
@@ -32,7 +35,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from enum import IntEnum
 from typing import Any
 
 import numpy as np
@@ -40,13 +42,12 @@ from numpy.typing import NDArray
 
 from fedagg.errors import AbortRound, ConfigError, ProtocolError, VerificationError, explain
 from fedagg.secagg import fixed_point, packing, shamir
-from fedagg.secagg.graph import ADVERTISED_KEY_BYTES, graph_seed, harary_graph
+from fedagg.secagg.client_checks import check_round, check_share_keys, check_unmask
+from fedagg.secagg.client_record import dump_state, load_state
 from fedagg.secagg.keys import (
-    KEY_BYTES,
     RandomBytes,
     SecretKey,
     ShareKind,
-    check_public_key,
     commit_seed,
     decrypt_share,
     encrypt_share,
@@ -73,35 +74,12 @@ from fedagg.secagg.params import (
     check_site_floor,
     validate_site_floor,
 )
+from fedagg.secagg.stages import ClientStage
 from fedagg.secagg.threads import resolve_threads
 
 __all__ = ["ClientStage", "ClientState"]
 
 logger = logging.getLogger(__name__)
-_STATE_VERSION = 2  # 2: the per-run key-generation floor of every neighbour
-
-
-class ClientStage(IntEnum):
-    """Where a site is in the protocol."""
-
-    NEW = 0
-    ADVERTISED = 1
-    READY = 2
-    UPLOADED = 3
-    UNMASKED = 4
-
-
-_NONE = (-1, -1)  # no generation seen yet
-
-
-def _split_keys(blob: bytes, count: int, field: str) -> list[bytes]:
-    if len(blob) != count * KEY_BYTES:
-        raise ProtocolError(explain(field, len(blob), f"must be {count} x 32 bytes", "resend"))
-    return [blob[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in range(count)]
-
-
-def _ids(values: Any) -> tuple[int, ...]:
-    return tuple(int(v) for v in np.asarray(values, dtype=np.int64).reshape(-1))
 
 
 class ClientState:
@@ -311,58 +289,16 @@ class ClientState:
     def handle_share_keys(self, request: ShareKeysRequest) -> ShareKeys:
         """Setup exchange 2: share the generation-0 mask key among the graph neighbours."""
         self._require((ClientStage.ADVERTISED,), request.epoch, "share keys")
-        roster = tuple(request.roster)  # distinct ids (checked when the message was built)
-        if self.site not in roster or roster != tuple(sorted(roster)):
-            raise ProtocolError(
-                explain("roster", "invalid", "must be sorted and list this site", "-")
-            )
-        try:
-            self.params.neighbours_for(len(roster))
-        except ConfigError as err:
-            raise AbortRound(str(err)) from err
-        k = self._check_floor(len(roster))
-        announced = request.roster_public
-        if len(announced) != len(roster) * ADVERTISED_KEY_BYTES:
-            raise ProtocolError(
-                explain(
-                    "roster_public",
-                    len(announced),
-                    "this site checks the graph against every advertised key (wire version 2)",
-                    "send every roster site's c || s public keys",
-                )
-            )
-        entry = {
-            j: announced[pos * ADVERTISED_KEY_BYTES : (pos + 1) * ADVERTISED_KEY_BYTES]
-            for pos, j in enumerate(roster)
-        }
-        own = self._secret(self._c).public_bytes() + self._secret(self._s).public_bytes()
-        if entry[self.site] != own:
-            raise ProtocolError(
-                explain("roster_public", "own keys", "differ from the keys this site sent", "-")
-            )
-        graph = harary_graph(roster, k, graph_seed(self.run_id, self.epoch, roster, keys=announced))
-        if tuple(request.neighbours) != graph[self.site]:
-            raise ProtocolError(
-                explain("neighbours", list(request.neighbours), "differ from the graph", "-")
-            )
-        keys = _split_keys(request.neighbour_c_public, len(request.neighbours), "c_public")
-        if keys != [entry[j][:KEY_BYTES] for j in graph[self.site]]:
-            raise ProtocolError(
-                explain("neighbour_c_public", "mismatch", "differ from the advertised keys", "-")
-            )
-        checked = {
-            j: check_public_key(pk, "neighbour_c_public")
-            for j, pk in zip(graph[self.site], keys, strict=True)
-        }
+        roster, neighbours, checked = check_share_keys(self, request)
         self.roster = roster
-        self.neighbours = graph[self.site]
+        self.neighbours = neighbours
         self._neighbour_c = checked
         blob = self._encrypt_shares(
             self._secret(self._s).secret_bytes(), self.neighbours, ShareKind.MASK_KEY, 0
         )
         self.gen = 0
         self.stage = ClientStage.READY
-        logger.debug("site %d: shared mask key with %d neighbours", self.site, len(keys))
+        logger.debug("site %d: shared mask key with %d neighbours", self.site, len(neighbours))
         return ShareKeys(
             site=self.site, epoch=self.epoch, gen=0, recipients=self.neighbours, ciphertexts=blob
         )
@@ -458,55 +394,7 @@ class ClientState:
         """Every precondition of a round, before any secret is touched."""
         stages = (ClientStage.READY, ClientStage.UPLOADED, ClientStage.UNMASKED)
         self._require(stages, request.epoch, "round")
-        if request.round <= self.round:
-            raise ProtocolError(
-                explain("round", request.round, f"must be > {self.round} (replay?)", "next round")
-            )
-        participants = tuple(request.participants)
-        if (
-            self.site not in participants
-            or len(set(participants)) != len(participants)
-            or not set(participants) <= set(self.roster)
-        ):
-            raise ProtocolError(explain("participants", "invalid", "must be roster ids", "-"))
-        if request.gen != self.gen:
-            raise ProtocolError(
-                explain("gen", request.gen, f"this site holds key generation {self.gen}", "re-key")
-            )
-        nbrs = tuple(j for j in self.neighbours if j in set(participants))
-        if tuple(request.neighbours) != nbrs or len(request.neighbour_gens) != len(nbrs):
-            raise ProtocolError(explain("neighbours", "mismatch", "differ from the graph", "-"))
-        gens = dict(zip(nbrs, request.neighbour_gens, strict=True))
-        if any((j, g) in self._revealed_keys for j, g in gens.items()):
-            raise ProtocolError(
-                explain("neighbour_gens", "revealed key", "a neighbour key was rebuilt", "re-key")
-            )
-        stale = sorted(
-            j for j, g in gens.items() if (self.epoch, g) <= self._gen_floor.get(j, _NONE)
-        )
-        if stale:
-            # A mask key is used in one round only. Announcing a neighbour at a generation this
-            # site has already seen used (or an older one) is how a lying server would collect
-            # shares of a key whose masked upload it already holds and has unmasked.
-            raise ProtocolError(
-                explain(
-                    "neighbour_gens",
-                    f"sites {stale}",
-                    "re-announced or older key generation (each key masks one round only)",
-                    "an honest server announces every neighbour's newest key; request refused",
-                )
-            )
-        if len(nbrs) < self.params.threshold:
-            raise AbortRound(
-                explain(
-                    "neighbours", len(nbrs), f"fewer than threshold={self.params.threshold}", "-"
-                )
-            )
-        pks = [
-            check_public_key(pk, "neighbour_s_public")
-            for pk in _split_keys(request.neighbour_s_public, len(nbrs), "neighbour_s_public")
-        ]
-        return gens, nbrs, pks
+        return check_round(self, request)
 
     def _mask_and_upload(
         self,
@@ -588,28 +476,7 @@ class ClientState:
         requests), nor a key share of a site that was not a neighbour in this round.
         """
         self._require((ClientStage.UPLOADED, ClientStage.UNMASKED), request.epoch, "unmask")
-        if request.round != self.round:
-            raise ProtocolError(explain("round", request.round, f"must be {self.round}", "-"))
-        b_ids, s_ids = tuple(request.b_senders), tuple(request.s_senders)
-        known = set(self._round_gens)
-        for name, ids in (("b_senders", b_ids), ("s_senders", s_ids)):
-            if len(set(ids)) != len(ids) or not set(ids) <= known:
-                raise ProtocolError(
-                    explain(name, list(ids), "must be this round's neighbours", "-")
-                )
-        both = (set(b_ids) & set(s_ids)) | (set(b_ids) & self._revealed_s)
-        both |= set(s_ids) & self._revealed_b
-        if both:
-            raise ProtocolError(
-                explain(
-                    "unmask request",
-                    sorted(both),
-                    "asks for both the self-mask and the key share of the same site",
-                    "an honest server never does this; the request is refused",
-                )
-            )
-        if tuple(request.s_gens) != tuple(self._round_gens[j] for j in s_ids):
-            raise ProtocolError(explain("s_gens", list(request.s_gens), "wrong generations", "-"))
+        b_ids, s_ids = check_unmask(self, request)
         b_cts = split_blob(request.b_ciphertexts, len(b_ids), "b_ciphertexts")
         s_cts = split_blob(request.s_ciphertexts, len(s_ids), "s_ciphertexts")
         b_pairs = self._open_all(b_ids, b_cts, ShareKind.SELF_MASK_SEED, lambda j: self.round)
@@ -655,76 +522,8 @@ class ClientState:
     # -- persistence -----------------------------------------------------------------------
     def state_dict(self) -> MessageDict:
         """Plain ``str -> int | bytes | ndarray`` state (holds secret keys: keep it local)."""
-        nbr_c = b"".join(self._neighbour_c[j] for j in self.neighbours)
-        gens = np.array([[j, g] for j, g in sorted(self._round_gens.items())], np.int64)
-        keys = np.array(sorted(self._revealed_keys), np.int64)
-        floor = np.array([[j, e, g] for j, (e, g) in sorted(self._gen_floor.items())], np.int64)
-        return {
-            "version": _STATE_VERSION,
-            "site": self.site,
-            "stage": int(self.stage),
-            "run_id": self.run_id,
-            "epoch": self.epoch,
-            "round": self.round,
-            "gen": self.gen,
-            "c_secret": self._c.secret_bytes() if self._c else b"",
-            "s_secret": self._s.secret_bytes() if self._s else b"",
-            "roster": np.array(self.roster, np.int64),
-            "neighbours": np.array(self.neighbours, np.int64),
-            "neighbour_c_public": nbr_c,
-            "round_gens": gens.reshape(-1),
-            "revealed_b": np.array(sorted(self._revealed_b), np.int64),
-            "revealed_s": np.array(sorted(self._revealed_s), np.int64),
-            "revealed_keys": keys.reshape(-1),
-            "gen_floor": floor.reshape(-1),
-        }
+        return dump_state(self)
 
     def load_state_dict(self, state: MessageDict) -> None:
         """Restore from :meth:`state_dict` (raises ProtocolError on a foreign or bad state)."""
-        try:
-            version = _int(state, "version")
-            if version not in (1, _STATE_VERSION) or _int(state, "site") != self.site:
-                raise ProtocolError(explain("state", "site/version", "belongs elsewhere", "-"))
-            self.run_id = _bytes(state, "run_id")
-            self._reset(self.run_id, _int(state, "epoch"))
-            self.stage = ClientStage(_int(state, "stage"))
-            self.round = _int(state, "round")
-            self.gen = _int(state, "gen")
-            c_raw, s_raw = _bytes(state, "c_secret"), _bytes(state, "s_secret")
-            self._c = SecretKey(c_raw) if c_raw else None
-            self._s = SecretKey(s_raw) if s_raw else None
-            self.roster = _ids(state["roster"])
-            self.neighbours = _ids(state["neighbours"])
-            keys = _split_keys(
-                _bytes(state, "neighbour_c_public"), len(self.neighbours), "neighbour_c_public"
-            )
-            self._neighbour_c = dict(zip(self.neighbours, keys, strict=True))
-            gens = _ids(state["round_gens"])
-            self._round_gens = dict(zip(gens[::2], gens[1::2], strict=True))
-            self._revealed_b = set(_ids(state["revealed_b"]))
-            self._revealed_s = set(_ids(state["revealed_s"]))
-            pairs = _ids(state["revealed_keys"])
-            self._revealed_keys = set(zip(pairs[::2], pairs[1::2], strict=True))
-            # version 1 (before the floor existed): start with no memory
-            floor = _ids(state["gen_floor"]) if version >= 2 else ()
-            self._gen_floor = {
-                j: (e, g) for j, e, g in zip(floor[::3], floor[1::3], floor[2::3], strict=True)
-            }
-        except (KeyError, TypeError, ValueError) as err:
-            raise ProtocolError(
-                explain("state", type(err).__name__, "malformed state", "-")
-            ) from None
-
-
-def _int(state: MessageDict, key: str) -> int:
-    value = state[key]
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(key)
-    return int(value)
-
-
-def _bytes(state: MessageDict, key: str) -> bytes:
-    value = state[key]
-    if not isinstance(value, bytes):
-        raise TypeError(key)
-    return value
+        load_state(self, state)
