@@ -399,7 +399,11 @@ class ProcessPool(WorkerPool):
                                                                   and failures[r].lost)):
                             failures[r] = Failure(
                                 r, f"did not leave the broken group within {RECOVER_S:.0f} s",
-                                primary=False, lost=True, pid=members[r].pid)
+                                _stacks(members[r]), primary=False, lost=True,
+                                pid=members[r].pid)
+                            _log.warning("%s: worker %d did not leave the broken group within "
+                                         "%.0f s; its threads:\n%s", self.name, r, RECOVER_S,
+                                         failures[r].detail)
                             self._kill([members[r]])
                     return list(results.values()), list(failures.values())
 
@@ -464,6 +468,20 @@ def _died(rank: int, m: _Member, rc: int) -> Failure:
     else:
         cause = f"died: exited with code {rc}"
     return Failure(rank, cause, _tail(m.log), primary=True, lost=True, pid=m.pid)
+
+
+def _stacks(m: _Member, wait_s: float = 1.0) -> str:
+    """Every thread's stack of a stuck worker (it dumps them to its log on SIGUSR1)."""
+    before = m.log.stat().st_size if m.log.exists() else 0
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(m.pid, signal.SIGUSR1)
+    time.sleep(wait_s)
+    try:
+        with open(m.log, "rb") as fh:
+            fh.seek(before)
+            return fh.read(20_000).decode(errors="replace").strip()
+    except OSError:
+        return ""
 
 
 def _tail(path: Path, lines: int = 8) -> str:

@@ -25,18 +25,24 @@ process is gone (no orphans).
 Leaving a broken group. gloo cannot abort a pending operation in place; its sockets close
 only when every object holding the group is freed. After a failed round the worker therefore
 drops the reducer (its thread, hooks and bucket views), the communicator, the cached
-per-direction groups and the default group, and collects garbage: its peers' pending
-receives then fail at once ("connection closed by peer") instead of waiting for the timeout,
-and each of them leaves in turn.
+per-direction groups and the default group, and collects garbage. An operation still in
+flight in one of gloo's own threads (a receive from a survivor that gave up on the round)
+keeps its group's sockets open even then, so the sockets the groups opened that are still
+open are shut down last
+(:mod:`fedagg.collectives.backends.group_sockets`): its peers' pending receives then fail at
+once ("connection closed by peer") instead of waiting for the timeout, and each of them
+leaves in turn.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import logging
 import os
 import pickle
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -113,6 +119,11 @@ def _release(state: WorkerState) -> None:
     torch_dist._directional.clear()
     torch_dist.destroy_process_group()
     gc.collect()
+    # what an operation still in flight keeps open (gloo cannot abort it): shut it down, so
+    # that a peer waiting on this worker fails now instead of at the group's timeout
+    left = torch_dist.destroy_process_group(close_leftovers=True)
+    if left:
+        _log.info("left the group: shut down %d sockets an abandoned operation kept open", left)
 
 
 def _join(msg: tuple[Any, ...], device: str) -> tuple[Communicator, str]:
@@ -199,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     _POOL_DIR = pool_dir
     logging.basicConfig(level=logging.WARNING,
                         format=f"worker {member}: %(levelname)s %(name)s: %(message)s")
+    # a worker that does not leave a broken group is asked for its stacks before it is killed
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     key = (pool_dir / "key").read_bytes()
     conn = Client((pool_dir / "address").read_text(), family="AF_UNIX", authkey=key)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fedagg.collectives.backends import group_sockets
 from fedagg.collectives.communicator import DEFAULT_TIMEOUT_S, Request
 from fedagg.errors import CollectiveError, CollectiveTimeout, ConfigError, WorkerError, explain
 
@@ -118,8 +119,9 @@ def _direction_groups(base: Any, ranks: list[int]) -> tuple[Any, Any]:
         hit = _directional.get(id(base))
         if hit is not None and hit[0] is base:
             return hit[1], hit[2]
-        up = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
-        down = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+        with group_sockets.owned():
+            up = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+            down = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
         _directional[id(base)] = (base, up, down)
         return up, down
 
@@ -490,16 +492,33 @@ def init_process_group(
     timeout : float
         Seconds for the rendezvous, for the process group and for the communicator's waits.
     """
-    store = dist.TCPStore(  # type: ignore[attr-defined]
-        host, port, None, False, timeout=timedelta(seconds=timeout)
-    )
-    dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
-    )
+    with group_sockets.owned():
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            host, port, None, False, timeout=timedelta(seconds=timeout)
+        )
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size,
+            timeout=timedelta(seconds=timeout)
+        )
     return TorchDistCommunicator(timeout=timeout)
 
 
-def destroy_process_group() -> None:
-    """Destroy the default process group if one exists (idempotent)."""
+def destroy_process_group(*, close_leftovers: bool = False) -> int:
+    """Destroy every process group if one exists (idempotent).
+
+    Parameters
+    ----------
+    close_leftovers : bool
+        Then shut down the sockets of the destroyed groups that an operation still in flight
+        keeps open (:func:`fedagg.collectives.backends.group_sockets.shutdown_leftovers`):
+        leaving a *broken* group, so that its peers' pending receives fail at once. Call it
+        after the last reference to the group is dropped and garbage collected.
+
+    Returns
+    -------
+    int
+        How many leftover sockets were shut down.
+    """
     if is_initialized():
         dist.destroy_process_group()
+    return group_sockets.shutdown_leftovers() if close_leftovers else 0
