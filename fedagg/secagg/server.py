@@ -14,6 +14,9 @@ aggregated; the next round can start at once with the sites in
 :attr:`ServerState.usable_sites`. Sites that dropped before uploading must re-key (a new
 epoch via :meth:`ServerState.begin_setup`) before they take part again.
 
+The checks of each reply are in :mod:`fedagg.secagg.server_checks`; the running sum of the
+uploads and :class:`RoundResult` in :mod:`fedagg.secagg.server_sum`.
+
 Reconstruction tolerates lying share holders: every rebuilt secret is checked against the
 owner's announced public key or seed commitment, and wrong shares are decoded around
 (:func:`fedagg.secagg.shamir.reconstruct_verified`).
@@ -25,20 +28,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future
-from enum import IntEnum
 
 import numpy as np
-from numpy.typing import NDArray
 
 from fedagg.errors import AbortRound, ConfigError, ProtocolError, VerificationError, explain
-from fedagg.secagg import fixed_point, packing, shamir
+from fedagg.secagg import fixed_point, shamir
 from fedagg.secagg.graph import graph_seed, harary_graph
 from fedagg.secagg.keys import (
     SecretKey,
-    check_public_key,
     commit_seed,
     pairwise_mask_key,
     self_mask_key,
@@ -53,10 +51,17 @@ from fedagg.secagg.messages import (
     ShareKeysRequest,
     UnmaskRequest,
     UnmaskResponse,
-    split_blob,
 )
 from fedagg.secagg.params import SecAggParams
-from fedagg.secagg.threads import pool, resolve_threads
+from fedagg.secagg.server_checks import (
+    check_advertise,
+    check_share_keys,
+    check_unmask,
+    check_upload,
+)
+from fedagg.secagg.server_sum import RoundResult, _Accumulator
+from fedagg.secagg.stages import ServerStage
+from fedagg.secagg.threads import resolve_threads
 
 __all__ = ["RoundResult", "ServerStage", "ServerState"]
 
@@ -64,123 +69,11 @@ logger = logging.getLogger(__name__)
 Ids = tuple[int, ...]
 
 
-class ServerStage(IntEnum):
-    """Where the server is in the protocol."""
-
-    IDLE = 0
-    ADVERTISING = 1
-    SHARING = 2
-    READY = 3
-    COLLECTING = 4
-    UNMASKING = 5
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class RoundResult:
-    """Outcome of a completed round.
-
-    Attributes
-    ----------
-    mean : numpy.ndarray
-        Weighted mean ``sum w x / sum w`` of the counted sites (float64, flat).
-    total_weight : float
-        ``sum w`` of the counted sites, in the caller's units (examples).
-    counted : tuple of int
-        Sites whose update is in the sum (uploaded, including those that dropped later).
-    dropped : tuple of int
-        Participants that did not upload (removed; they must re-key to rejoin).
-    frac_bits : int
-        Fixed-point fractional bits used in this round.
-    error_bound : float
-        Worst-case absolute quantisation error of ``mean`` (for clipped inputs).
-    ring_bits : int
-        Width ``b`` of the ring ``Z_2^b`` (bits per masked value on the wire).
-    total : numpy.ndarray or None
-        The unmasked sum itself, ``dim + 1`` ``uint32`` elements mod ``2^b`` (only the low
-        ``ring_bits`` bits count; the last element is the summed quantised weight). ``mean``
-        is its fixed-point decoding; inputs that are not fixed-point values (packed vote
-        counters uploaded with :meth:`ClientState.handle_round_encoded`) are read from here.
-    """
-
-    epoch: int
-    round: int
-    mean: NDArray[np.float64]
-    total_weight: float
-    counted: Ids
-    dropped: Ids
-    frac_bits: int
-    error_bound: float
-    ring_bits: int = fixed_point.MAX_RING_BITS
-    total: NDArray[np.uint32] | None = None
-
-    def __repr__(self) -> str:
-        return (
-            f"RoundResult(epoch={self.epoch}, round={self.round}, dim={self.mean.size}, "
-            f"counted={list(self.counted)}, dropped={list(self.dropped)})"
-        )
-
-
 @dataclasses.dataclass
 class _MaskKey:
     gen: int
     public: bytes
     ciphertexts: dict[int, bytes]  # recipient -> encrypted share
-
-
-class _Accumulator:
-    """Running sum of packed uploads, added on arrival (in worker threads when ``threads > 1``).
-
-    With one thread, :meth:`add` unpacks and adds in the caller. With more, each upload is
-    handed to :func:`~fedagg.secagg.threads.pool` and added into one of up to ``threads``
-    private ``uint32`` sums (a task takes a free one or makes a new one), so the server goes on
-    validating the next reply meanwhile; :meth:`result` waits and adds the private sums
-    (addition mod ``2^b`` commutes: the same total as the serial loop).
-    """
-
-    def __init__(self, n: int, bits: int, threads: int) -> None:
-        # a small vector is added faster than a task is handed to a thread
-        self.n, self.bits, self.threads = n, bits, threads if n >= 1 << 16 else 1
-        self._sums: list[NDArray[np.uint32]] = []
-        self._free: queue.SimpleQueue[NDArray[np.uint32]] = queue.SimpleQueue()
-        self._futures: list[Future[None]] = []
-
-    def _take(self) -> NDArray[np.uint32]:
-        try:
-            return self._free.get_nowait()
-        except queue.Empty:
-            acc = np.zeros(self.n, np.uint32)
-            self._sums.append(acc)  # list.append is atomic under the GIL
-            return acc
-
-    def _add(self, packed: NDArray[np.uint32]) -> None:
-        acc = self._take()
-        try:
-            packing.add_unpacked(acc, packed, self.bits)
-        finally:
-            self._free.put(acc)
-
-    def add(self, packed: NDArray[np.uint32]) -> None:
-        """Add one upload (already checked for size and dtype)."""
-        if self.threads <= 1:
-            self._add(packed)
-        else:
-            self._futures.append(pool(self.threads).submit(self._add, packed))
-
-    def cancel(self) -> None:
-        """Drop the sum (pending additions that have not started are cancelled)."""
-        for fut in self._futures:
-            fut.cancel()
-
-    def result(self) -> NDArray[np.uint32]:
-        """The total (waits for pending additions; re-raises the first failure)."""
-        for fut in self._futures:
-            fut.result()
-        if not self._sums:
-            return np.zeros(self.n, np.uint32)
-        total, *rest = self._sums
-        for acc in rest:
-            np.add(total, acc, out=total)
-        return total
 
 
 class ServerState:
@@ -297,15 +190,7 @@ class ServerState:
         authenticated for this reply (e.g. from the Flower node id). When given, a message
         whose ``site`` differs is refused, so one site cannot answer in another's name.
         """
-        _check_sender(msg.site, sender)
-        self._require(ServerStage.ADVERTISING, "advertise")
-        self._check(msg.epoch)
-        if msg.site not in self._invited or msg.site in self._c_public:
-            raise ProtocolError(explain("site", msg.site, "not invited or duplicate", "drop it"))
-        # both keys are checked before either is kept: a low-order or malformed key drops
-        # only this site from the epoch (its neighbours never see it)
-        c_public = check_public_key(msg.c_public, "c_public")
-        s_public = check_public_key(msg.s_public, "s_public")
+        c_public, s_public = check_advertise(self, msg, sender)
         self._c_public[msg.site] = c_public
         self._s_public[msg.site] = s_public
 
@@ -342,14 +227,7 @@ class ServerState:
 
     def receive_share_keys(self, msg: ShareKeys, *, sender: int | None = None) -> None:
         """Accept one site's encrypted key shares (``sender``: see :meth:`receive_advertise`)."""
-        _check_sender(msg.site, sender)
-        self._require(ServerStage.SHARING, "share_keys")
-        self._check(msg.epoch)
-        if msg.site not in self._graph or msg.site in self._ready or msg.gen != 0:
-            raise ProtocolError(explain("site", msg.site, "unknown, duplicate or bad gen", "-"))
-        if tuple(msg.recipients) != self._graph[msg.site]:
-            raise ProtocolError(explain("recipients", "mismatch", "must be the neighbours", "-"))
-        cts = split_blob(msg.ciphertexts, len(msg.recipients))
+        cts = check_share_keys(self, msg, sender)
         self._keys[msg.site].ciphertexts = dict(zip(msg.recipients, cts, strict=True))
         self._ready.add(msg.site)
 
@@ -441,31 +319,8 @@ class ServerState:
     def receive_upload(self, msg: MaskedUpload, *, sender: int | None = None) -> None:
         """Accept one masked upload (late or duplicate uploads are refused; ``sender``: see
         :meth:`receive_advertise`)."""
-        _check_sender(msg.site, sender)
-        self._require(ServerStage.COLLECTING, "upload")
-        self._check(msg.epoch, msg.round)
+        public, b_cts, next_cts = check_upload(self, msg, sender)
         i = msg.site
-        if i not in self._used or i in self._uploads:
-            raise ProtocolError(explain("site", i, "not a participant, or duplicate", "drop it"))
-        words = packing.packed_words(self._dim + 1, self._ring_bits)
-        if msg.masked.shape != (words,) or msg.masked.dtype != np.uint32:
-            raise ProtocolError(
-                explain(
-                    "masked",
-                    msg.masked.shape,
-                    f"need {words} uint32 words ({self._dim + 1} values of {self._ring_bits} bits)",
-                    "-",
-                )
-            )
-        if tuple(msg.b_recipients) != self._nbrs[i] or tuple(msg.next_recipients) != self._graph[i]:
-            raise ProtocolError(explain("recipients", "mismatch", "must follow the graph", "-"))
-        if msg.next_gen != self._used[i][0] + 1:
-            raise ProtocolError(explain("next_gen", msg.next_gen, "must be gen + 1", "-"))
-        public = check_public_key(msg.next_s_public, "next_s_public")
-        if len(msg.b_commitment) != 32:
-            raise ProtocolError(explain("b_commitment", len(msg.b_commitment), "need 32", "-"))
-        b_cts = split_blob(msg.b_ciphertexts, len(self._nbrs[i]), "b_ciphertexts")
-        next_cts = split_blob(msg.next_ciphertexts, len(self._graph[i]), "next_ciphertexts")
         if self._total is None:
             self._total = _Accumulator(self._dim + 1, self._ring_bits, self.threads)
         self._total.add(msg.masked)
@@ -533,17 +388,7 @@ class ServerState:
         The owners must be the requested senders in order; some may be left out (the site
         could not decrypt their ciphertexts).
         """
-        _check_sender(msg.site, sender)
-        self._require(ServerStage.UNMASKING, "unmask")
-        self._check(msg.epoch, msg.round)
-        req = self._requests.get(msg.site)
-        if req is None or msg.site in self._responses:
-            raise ProtocolError(explain("site", msg.site, "not asked, or duplicate", "drop it"))
-        # owners: the requested senders in order, less those whose ciphertext the site refused
-        if not (
-            _subsequence(msg.b_owners, req.b_senders) and _subsequence(msg.s_owners, req.s_senders)
-        ):
-            raise ProtocolError(explain("shares", msg.site, "do not match the request", "-"))
+        req = check_unmask(self, msg, sender)
         left_out = set(req.b_senders) - set(msg.b_owners)
         left_out |= set(req.s_senders) - set(msg.s_owners)
         for j in left_out:
@@ -679,17 +524,4 @@ class ServerState:
             error_bound=bound,
             ring_bits=self._ring_bits,
             total=total,
-        )
-
-
-def _subsequence(got: Sequence[int], asked: Sequence[int]) -> bool:
-    """Whether ``got`` is ``asked`` with some entries left out (same order)."""
-    rest = iter(asked)
-    return all(any(g == a for a in rest) for g in got)
-
-
-def _check_sender(site: int, sender: int | None) -> None:
-    if sender is not None and sender != site:
-        raise ProtocolError(
-            explain("site", site, f"the reply came from site {sender}", "drop the reply")
         )

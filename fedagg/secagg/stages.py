@@ -1,15 +1,16 @@
 """The stages of the secure-aggregation state machines.
 
-:class:`ClientStage` is where a site is (:class:`fedagg.secagg.client.ClientState`); it is
-kept as an int in the site's saved state. Importable from :mod:`fedagg.secagg.client` and
-:mod:`fedagg.secagg` as well.
+:class:`ClientStage` is where a site is (:class:`fedagg.secagg.client.ClientState`; kept as an
+int in the site's saved state), :class:`ServerStage` where the server is
+(:class:`fedagg.secagg.server.ServerState`). Importable from :mod:`fedagg.secagg.client`,
+:mod:`fedagg.secagg.server` and :mod:`fedagg.secagg` as well.
 """
 
 from __future__ import annotations
 
 from enum import IntEnum
 
-__all__ = ["ClientStage"]
+__all__ = ["ClientStage", "ServerStage"]
 
 
 class ClientStage(IntEnum):
@@ -20,3 +21,14 @@ class ClientStage(IntEnum):
     READY = 2
     UPLOADED = 3
     UNMASKED = 4
+
+
+class ServerStage(IntEnum):
+    """Where the server is in the protocol."""
+
+    IDLE = 0
+    ADVERTISING = 1
+    SHARING = 2
+    READY = 3
+    COLLECTING = 4
+    UNMASKING = 5
