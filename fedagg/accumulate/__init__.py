@@ -16,10 +16,10 @@
 See docs/architecture/server-memory.md for the server's memory model.
 """
 
-from fedagg.accumulate.exact import (
+from fedagg.accumulate.exact import Accumulator
+from fedagg.accumulate.grid import (
     BLOCK,
     DEFAULT_PRECISION_BITS,
-    Accumulator,
     Sparse,
     TensorSpec,
     TensorUpdate,

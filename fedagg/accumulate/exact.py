@@ -45,19 +45,31 @@ The same integers make corrections exact: folding an update again with ``-w`` re
 without a trace (used to drop a reply that a whole-round check refuses after it was folded),
 and :meth:`Accumulator.merge` adds two accumulators of disjoint sites exactly (tree or
 parallel reductions).
+
+The tensor types and the grid are in :mod:`fedagg.accumulate.grid`, the accumulator's
+plain-data state in :mod:`fedagg.accumulate.exact_state` (names re-exported here).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from fedagg.accumulate.exact_state import dump_state, load_state
+from fedagg.accumulate.grid import (
+    BLOCK,
+    DEFAULT_PRECISION_BITS,
+    Sparse,
+    TensorSpec,
+    TensorUpdate,
+    grid_exponents,
+    max_abs,
+)
 from fedagg.errors import ConfigError, UpdateRejected, explain
 
 __all__ = [
@@ -71,125 +83,12 @@ __all__ = [
     "max_abs",
 ]
 
-BLOCK = 1 << 16
-"""Elements processed at a time: the fold's temporaries are two blocks of 8 bytes (1 MiB)."""
-
-DEFAULT_PRECISION_BITS = 32
-"""Grid bits below each tensor's scale (:func:`grid_exponents`)."""
-
 _LIMB = 31
 """A carry moves ``lo >> 31`` into the high limb, leaving ``0 <= lo < 2**31``."""
 _LO_MAX = 1 << 62
 """Partial sums of the low limb stay below this (int64 holds up to ``2**63 - 1``)."""
 _Q_MAX = float(1 << 92)
 """Largest ``|q|`` of one fold that the two limbs take (``|q >> 31| < 2**61``)."""
-_STATE_VERSION = 1
-
-
-class Sparse(NamedTuple):
-    """A sparse tensor update: ``values`` at the flat positions ``indices``.
-
-    ``indices`` must be strictly increasing and within the tensor (what the codec checks
-    before building a payload, :class:`fedagg.compression.payload.TensorPayload`); the other
-    elements are zero.
-    """
-
-    indices: npt.NDArray[np.int64]
-    values: npt.NDArray[Any]
-
-
-TensorUpdate = npt.NDArray[Any] | Sparse
-"""One tensor of an update: a dense array of the tensor's shape, or :class:`Sparse`."""
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One accumulated tensor: its shape, the dtype of its mean and its grid exponent.
-
-    Parameters
-    ----------
-    shape : tuple of int
-        Shape of the tensor (a shard's piece is 1-D, see :mod:`fedagg.accumulate.layout`).
-    dtype : str
-        NumPy dtype name of the mean (the global model's tensor dtype).
-    exponent : int
-        The grid is ``2**exponent``: each product ``w * x`` is rounded to a multiple of it.
-        Integer tensors use 0 (exact for integer weights).
-    """
-
-    shape: tuple[int, ...]
-    dtype: str
-    exponent: int
-
-    @property
-    def size(self) -> int:
-        """Number of elements."""
-        return math.prod(self.shape)
-
-
-def max_abs(a: npt.NDArray[Any], *, block: int = BLOCK) -> float:
-    """``max |a|`` without a full-size temporary (0.0 for an empty array; NaN propagates)."""
-    flat = np.asarray(a).reshape(-1)
-    best = 0.0
-    for s in range(0, flat.size, block):
-        b = flat[s:s + block]
-        hi, lo = float(np.max(b)), float(np.min(b))
-        if math.isnan(hi) or math.isnan(lo):
-            return math.nan
-        best = max(best, hi, -lo)
-    return best
-
-
-def grid_exponents(
-    reference: Sequence[npt.NDArray[Any]], *, precision_bits: int = DEFAULT_PRECISION_BITS
-) -> list[int]:
-    """Grid exponents of the tensors of a model, from public data fixed before the round.
-
-    Parameters
-    ----------
-    reference : sequence of ndarray
-        The global model of the round (what every site received): the same on every shard and
-        for every arrival order, so the grid is too.
-    precision_bits : int
-        Grid bits below each float tensor's scale, 8..60. The scale is the power of two above
-        the tensor's largest magnitude; an all-zero tensor (biases at initialisation) takes the
-        model's largest, and an all-zero model 1.0.
-
-    Returns
-    -------
-    list of int
-        ``exponent`` per tensor for :class:`TensorSpec` (0 for integer tensors).
-
-    Raises
-    ------
-    ConfigError
-        ``precision_bits`` out of range, or a tensor that is neither float nor integer.
-    """
-    if (isinstance(precision_bits, bool) or not isinstance(precision_bits, int | np.integer)
-            or not 8 <= int(precision_bits) <= 60):
-        raise ConfigError(explain("precision_bits", precision_bits, "must be an int in 8..60",
-                                  "use the default 32 (or up to 60 for float64 models)"))
-    scales: list[float | None] = []
-    for j, r in enumerate(reference):
-        dt = np.asarray(r).dtype
-        if np.issubdtype(dt, np.integer):
-            scales.append(None)
-        elif np.issubdtype(dt, np.floating):
-            m = max_abs(np.asarray(r))
-            scales.append(m if math.isfinite(m) else 0.0)
-        else:
-            raise ConfigError(explain(f"reference[{j}].dtype", str(dt),
-                                      "must be a float or integer dtype",
-                                      "accumulate numeric tensors only"))
-    top = max((s for s in scales if s is not None), default=0.0)
-    out = []
-    for s in scales:
-        if s is None:
-            out.append(0)
-            continue
-        scale = s if s > 0 else (top if top > 0 else 1.0)
-        out.append(math.frexp(scale)[1] - int(precision_bits))  # 2**e > scale >= 2**(e-1)
-    return out
 
 
 def _check_weight(weight: float) -> float:
@@ -555,21 +454,7 @@ class Accumulator:
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Plain-data state (arrays, ints, strings): specs, limbs, exact weight and counts."""
-        for j in range(len(self.specs)):
-            if self._hi[j] is not None:
-                self._normalize(j, force=True)
-        return {
-            "version": _STATE_VERSION,
-            "specs": [{"shape": list(s.shape), "dtype": s.dtype, "exponent": s.exponent}
-                      for s in self.specs],
-            "lo": [a.copy() for a in self._lo],
-            "hi": [None if a is None else a.copy() for a in self._hi],
-            "bound": [str(b) for b in self._bound],
-            "hbound": [str(b) for b in self._hbound],
-            "weight": [str(self._weight.numerator), str(self._weight.denominator)],
-            "count": self._count,
-            "folds": self._folds_abs,
-        }
+        return dump_state(self)
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any], *, block: int = BLOCK) -> Accumulator:
@@ -580,30 +465,4 @@ class Accumulator:
         ConfigError
             A state of another version, or one whose arrays do not match its specs.
         """
-        if state.get("version") != _STATE_VERSION:
-            raise ConfigError(explain("accumulator state.version", state.get("version"),
-                                      f"must be {_STATE_VERSION}",
-                                      "restore a state written by this fedagg version"))
-        try:
-            specs = [TensorSpec(tuple(int(d) for d in s["shape"]), str(s["dtype"]),
-                                int(s["exponent"])) for s in state["specs"]]
-            acc = cls(specs, block=block)
-            for j, spec in enumerate(specs):
-                lo = np.asarray(state["lo"][j])
-                hi = state["hi"][j]
-                if lo.dtype != np.int64 or lo.shape != (spec.size,) or (
-                        hi is not None and (np.asarray(hi).dtype != np.int64
-                                            or np.asarray(hi).shape != (spec.size,))):
-                    raise ValueError(f"limbs of tensor {j} do not match {spec}")
-                acc._lo[j] = lo.copy()
-                acc._hi[j] = None if hi is None else np.asarray(hi).copy()
-                acc._bound[j] = int(state["bound"][j])
-                acc._hbound[j] = int(state["hbound"][j])
-            acc._weight = Fraction(int(state["weight"][0]), int(state["weight"][1]))
-            acc._count = int(state["count"])
-            acc._folds_abs = int(state["folds"])
-        except (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError) as exc:
-            raise ConfigError(explain("accumulator state", type(exc).__name__,
-                                      f"is not a valid state ({exc})",
-                                      "restore an intact state_dict")) from None
-        return acc
+        return load_state(cls, state, block=block)

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from fedagg.accumulate.exact import (
+from fedagg.accumulate.grid import (
     DEFAULT_PRECISION_BITS,
     Sparse,
     TensorSpec,

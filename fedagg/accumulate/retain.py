@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from fedagg.accumulate.exact import Sparse, TensorUpdate
+from fedagg.accumulate.grid import Sparse, TensorUpdate
 from fedagg.errors import ConfigError, explain
 
 __all__ = ["DEFAULT_SPILL_BYTES", "Retainer"]

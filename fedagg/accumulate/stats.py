@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from fedagg.accumulate.exact import BLOCK, Sparse, TensorUpdate
+from fedagg.accumulate.grid import BLOCK, Sparse, TensorUpdate
 from fedagg.aggregate import MEDIAN_MIN_UPDATES, cap_weights, norm_outliers
 from fedagg.errors import ConfigError, explain
 

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from fedagg.accumulate.exact import TensorUpdate
+from fedagg.accumulate.grid import TensorUpdate
 from fedagg.errors import ConfigError, explain
 
 __all__ = ["BUCKET_BITS", "WeightBuckets"]
