@@ -53,7 +53,8 @@ from fedagg.compression.support import (
     topk_of_aggregate,
 )
 from fedagg.compression.topk import RandomK, TopK
-from fedagg.compression.vote import BlockVote, VoteSketch, VoteSupport, find_vote_support
+from fedagg.compression.vote import VoteSupport, find_vote_support
+from fedagg.compression.vote_tables import BlockVote, VoteSketch
 
 __all__ = [
     "BF16",

@@ -27,6 +27,7 @@ from fedagg.compression import (
     ring,
 )
 from fedagg.compression import vote as vote_module
+from fedagg.compression import vote_tables as vote_tables_module
 from fedagg.errors import CodecError, ConfigError
 from fedagg.secagg import fixed_point, packing
 from fedagg.secagg.masking import add_masks
@@ -466,7 +467,8 @@ def test_voted_support_trains_within_a_few_percent_of_dense_and_beats_random() -
 
 
 def test_docstring_examples() -> None:
-    assert doctest.testmod(vote_module, optionflags=doctest.ELLIPSIS).failed == 0
+    for module in (vote_module, vote_tables_module):  # VoteSketch / BlockVote: vote_tables
+        assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0
 
 
 # -- block votes (vote:...,block=B) ---------------------------------------------------------
