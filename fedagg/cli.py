@@ -29,6 +29,7 @@ the fix; never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -36,7 +37,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from fedagg.config import (
     RunConfig,
@@ -160,7 +161,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from flwr.simulation import run_simulation
 
     progress.message("starting Flower's simulation engine ...")
-    previous = signal.signal(signal.SIGINT, _on_sigint)
+    previous = signal.signal(signal.SIGINT, lambda *_: _interrupted(run_dir, progress))
     try:
         with progress:
             run_simulation(
@@ -174,8 +175,6 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
                 },
                 verbose_logging=bool(args.verbose),
             )
-    except KeyboardInterrupt:
-        return _interrupted(run_dir, progress)
     finally:
         signal.signal(signal.SIGINT, previous)
         from clients.pool_proc import sweep_stale_pools
@@ -247,41 +246,37 @@ def _list_outputs(run_dir: Path, report: Path | None) -> None:
 _WATCH = ProcessWatch()
 
 
-def _on_sigint(signum: int, frame: Any) -> None:
-    """First Ctrl-C: mute the engine's logs and stop; a second one exits at once."""
+def _interrupted(run_dir: Path, progress: Any) -> NoReturn:
+    """Ctrl-C during the simulation: children gone, a resume hint, exit status 130.
+
+    Runs as the SIGINT handler and never returns into Flower. Raising KeyboardInterrupt
+    there would run Flower's own teardown (``backend.terminate()`` -> ``ray.shutdown()``)
+    while its engine threads are still inside Ray calls, and Ray then ends the process
+    with status 1 ("the core worker has already been shutdown"). So the engine's processes
+    (remembered after every round and now) are stopped by PID, the hint is printed and the
+    process exits at once; a second Ctrl-C exits immediately. The checkpoint is written
+    atomically (a temporary file renamed), so exiting mid-round keeps the last one whole.
+    """
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
     _WATCH.snapshot()
     for name in ("flwr", "ray"):
         logging.getLogger(name).setLevel(logging.CRITICAL + 1)
-    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
-    raise KeyboardInterrupt
-
-
-def _interrupted(run_dir: Path, progress: Any) -> int:
-    """Stop cleanly after Ctrl-C: engine down, children gone, a resume hint, exit status 130."""
-    import threading
-
-    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
-    progress.close()
-    try:
-        import ray
-
-        if ray.is_initialized():
-            ray.shutdown()
-    except Exception as exc:  # best effort: the children are stopped below
-        logging.getLogger(__name__).debug("ray.shutdown after Ctrl-C: %s", exc)
+    with contextlib.suppress(Exception):  # the display must not keep us from stopping
+        progress.close()
     _WATCH.stop(timeout=3.0)
+    with contextlib.suppress(Exception):
+        from clients.pool_proc import sweep_stale_pools
+
+        sweep_stale_pools()  # the site worker pools' directories (their workers are gone)
     if (run_dir / "checkpoint.npz").is_file():
         print(f"\ninterrupted; resume with: fedagg simulate --resume {run_dir}", file=sys.stderr)
     else:
         print("\ninterrupted before the first checkpoint; nothing to resume", file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    others = [t for t in threading.enumerate()
-              if t is not threading.current_thread() and not t.daemon and t.is_alive()]
-    if others:  # Flower's ServerApp thread waits for replies that will never come
-        logging.shutdown()
-        os._exit(130)
-    return 130
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    logging.shutdown()
+    os._exit(130)
 
 
 def _quiet_flower(verbose: bool) -> None:
