@@ -37,8 +37,9 @@ from flwr.supercore.run import Run
 from fedagg.config import RunConfig
 from fedagg.errors import ConfigError, UpdateRejected, explain
 from fedagg.update import UploadSpec
+from strategies.checks import Update
 from strategies.compressed import Compressed
-from strategies.fedavg import FedAvg, Update
+from strategies.fedavg import FedAvg
 from strategies.registry import build_strategy
 from strategies.secure import SecureAggregation
 

@@ -81,8 +81,9 @@ from server.runner import (
     wait_for_sites,
 )
 from strategies.base import filter_replies
+from strategies.checks import partition_of
 from strategies.compressed import Compressed
-from strategies.fedavg import FedAvg, partition_of
+from strategies.fedavg import FedAvg
 from strategies.secure import SecureAggregation
 from strategies.wire import arrays_to_record, message_nbytes, record_to_arrays
 

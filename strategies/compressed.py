@@ -52,7 +52,8 @@ from fedagg.update import (
     encode_down,
 )
 from fedagg.update.decode import decode_sparse
-from strategies.fedavg import FedAvg, check_metadata, validate_reply
+from strategies.checks import check_metadata, validate_reply
+from strategies.fedavg import FedAvg
 from strategies.wire import (
     INSTRUCTION_KEY,
     PREVIOUS_KEY,

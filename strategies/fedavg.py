@@ -31,6 +31,9 @@ docs/plugins.md:
   ``train-loss`` / ``eval-loss`` / ``eval-acc`` are read as ``train_loss`` / ``eval_loss`` /
   ``eval_acc`` (aliases kept for one release);
 * the aggregated delta can be applied with FedAvgM / FedAdam (``server_optimizer``).
+
+The per-reply checks and the round-level guards are in :mod:`strategies.checks`, the metrics'
+names and mean in :mod:`strategies.metrics` (names re-exported here).
 """
 
 from __future__ import annotations
@@ -50,20 +53,24 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
 from fedagg.accumulate import WeightBuckets
 from fedagg.aggregate import (
-    MEDIAN_MIN_UPDATES,
     ServerOptimizer,
     UpdateGuards,
-    cap_weights,
-    cast_update,
-    check_update,
-    global_norm,
     model_change_problem,
-    norm_outliers,
     subtract,
 )
 from fedagg.config import RunConfig
-from fedagg.errors import UpdateRejected, explain
+from fedagg.errors import UpdateRejected
 from strategies.base import FedaggStrategy
+from strategies.checks import (
+    MAX_PARTITION_ID,
+    Update,
+    check_metadata,
+    guard_updates,
+    guards_from_config,
+    partition_of,
+    validate_reply,
+)
+from strategies.metrics import METRIC_ALIASES, NOT_METRICS, _numbers, aggregate_metrics
 from strategies.streaming import StreamRound, new_accumulator
 from strategies.wire import arrays_to_record, record_to_arrays
 
@@ -72,216 +79,6 @@ __all__ = ["MAX_PARTITION_ID", "METRIC_ALIASES", "NOT_METRICS", "FedAvg", "Updat
            "partition_of", "validate_reply"]
 
 _log = logging.getLogger(__name__)
-
-NOT_METRICS = ("partition-id", "server-round")
-"""Reply metrics that identify the reply rather than measure training; never averaged."""
-METRIC_ALIASES = {"train-loss": "train_loss", "eval-loss": "eval_loss", "eval-acc": "eval_acc"}
-"""Old metric names (fedagg 0.1) and the names of Flower's examples they map to."""
-
-Update = tuple[list[np.ndarray], float, dict[str, Any], int]
-"""``(arrays, weight, metrics, node id)``: a checked site update (its delta, or its whole
-model) handed between wrappers and :meth:`FedAvg.aggregate_updates` without Flower records."""
-
-
-def _numbers(metrics: Any) -> dict[str, float]:
-    """The finite scalar entries of a site's metrics (per-site metrics for metrics.json)."""
-    out: dict[str, float] = {}
-    for k, v in dict(metrics).items():
-        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
-            out[METRIC_ALIASES.get(str(k), str(k))] = float(v)
-    return out
-
-
-MAX_PARTITION_ID = 2**31 - 1
-"""Largest ``partition-id`` a reply may carry (larger ones, like non-integers, are refused)."""
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def check_metadata(site: str, metrics: Any, *, weight_key: str = "num-examples",
-                   server_round: int | None = None, max_weight: float | None = None) -> float:
-    """Type- and range-check the identifiers and the weight of one reply; returns the weight.
-
-    The weight (``weight_key``) must be a finite number > 0 (and <= ``max_weight``); a
-    ``server-round`` echo must be the integer ``server_round``; a ``partition-id`` must be an
-    integer in ``[0, 2^31)``. Lists, booleans, NaN or Inf in any of them refuse the reply, never
-    the round (other metrics are only averaged, see :func:`aggregate_metrics`).
-
-    Raises
-    ------
-    UpdateRejected
-        Naming the field, the value, the rule and the fix.
-    """
-    weight: Any = metrics.get(weight_key) if hasattr(metrics, "get") else None
-    if not (_is_number(weight) and math.isfinite(weight) and weight > 0):
-        raise UpdateRejected(explain(f"{site}.metrics.{weight_key}", weight,
-                                     "must be a finite number > 0",
-                                     "report the number of examples used for training"))
-    if max_weight is not None and weight > max_weight:
-        raise UpdateRejected(explain(f"{site}.metrics.{weight_key}", weight,
-                                     f"must be <= strategy.max_weight = {max_weight}",
-                                     "report the real number of examples, or raise "
-                                     "strategy.max_weight"))
-    if "server-round" in metrics:
-        echoed: Any = metrics["server-round"]
-        ok = _is_number(echoed) and math.isfinite(echoed) and float(echoed).is_integer()
-        if not ok or (server_round is not None and int(echoed) != server_round):
-            raise UpdateRejected(explain(
-                f"{site}.metrics.server-round", echoed,
-                f"must be the current round {server_round}" if server_round is not None
-                else "must be an integer",
-                "stale reply from an earlier round: it is never aggregated"))
-    if "partition-id" in metrics:
-        pid: Any = metrics["partition-id"]
-        if not (_is_number(pid) and math.isfinite(pid) and float(pid).is_integer()
-                and 0 <= pid <= MAX_PARTITION_ID):
-            raise UpdateRejected(explain(f"{site}.metrics.partition-id", pid,
-                                         f"must be an integer in [0, {MAX_PARTITION_ID}]",
-                                         "report the site's partition id (or leave it out)"))
-    return float(weight)
-
-
-def guards_from_config(cfg: RunConfig) -> UpdateGuards:
-    """The round-level guards of ``[strategy]`` (docs/reliability.md)."""
-    s = cfg.strategy
-    return UpdateGuards(max_weight=s.max_weight, max_weight_ratio=s.max_weight_ratio,
-                        norm_outlier_factor=s.norm_outlier_factor,
-                        max_model_change=s.max_model_change)
-
-
-def guard_updates(updates: Sequence[Update], guards: UpdateGuards, current: Sequence[np.ndarray],
-                  *, deltas: bool, server_round: int, rejected: dict[str, str],
-                  capped: dict[str, str] | None = None) -> tuple[list[Update], list[float]]:
-    """Apply the round-level guards to checked updates; returns the kept ones and their weights.
-
-    Updates with a weight that is not a finite number in ``(0, max_weight]`` are refused (a
-    wrapper or plugin may hand over anything); with at least
-    :data:`~fedagg.aggregate.MEDIAN_MIN_UPDATES` updates, those whose delta norm exceeds
-    ``norm_outlier_factor`` x the median are refused (the norm-bomb guard), and the remaining
-    weights are capped at ``max_weight_ratio`` x their median. Refusals are added to
-    ``rejected`` (node id -> reason), caps to ``capped``; both are logged.
-    """
-    kept: list[Update] = []
-    for u in updates:
-        node = str(u[3])
-        w = u[1]
-        if not (_is_number(w) and math.isfinite(w) and w > 0) or (
-                guards.max_weight is not None and w > guards.max_weight):
-            rejected[node] = explain(f"node {node}.weight", w,
-                                     "must be a finite number in (0, strategy.max_weight]",
-                                     "report the number of examples used for training")
-            _log.warning("round %d: rejected update: %s", server_round, rejected[node])
-            continue
-        kept.append(u)
-    if guards.norm_outlier_factor > 0 and len(kept) >= MEDIAN_MIN_UPDATES:
-        norms = [global_norm(u[0]) if deltas else global_norm(subtract(u[0], current))
-                 for u in kept]
-        out = set(norm_outliers(norms, guards.norm_outlier_factor))
-        if out:
-            median = float(np.median([n for n in norms if math.isfinite(n)] or [0.0]))
-            for i in sorted(out):
-                node = str(kept[i][3])
-                rejected[node] = explain(
-                    f"node {node}.delta_norm", float(f"{norms[i]:.6g}"),
-                    f"must be <= strategy.norm_outlier_factor x the round's median delta norm "
-                    f"= {guards.norm_outlier_factor} x {median:.6g}",
-                    "check the site (a norm bomb?), or raise / turn off (0) "
-                    "strategy.norm_outlier_factor")
-                _log.warning("round %d: rejected update: %s", server_round, rejected[node])
-            kept = [u for i, u in enumerate(kept) if i not in out]
-    weights, over = cap_weights([u[1] for u in kept], guards.max_weight_ratio)
-    for i in over:
-        node = str(kept[i][3])
-        note = (f"node {node}: weight {kept[i][1]:.6g} capped to {weights[i]:.6g} "
-                f"(strategy.max_weight_ratio = {guards.max_weight_ratio} x the round's median)")
-        if capped is not None:
-            capped[node] = note
-        _log.warning("round %d: %s", server_round, note)
-    return kept, [float(w) for w in weights]
-
-
-def partition_of(metrics: Any) -> int:
-    """The ``partition-id`` a site reported (-1 when absent or not a finite number)."""
-    value = dict(metrics).get("partition-id", -1)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        return -1
-    return int(value)
-
-
-def aggregate_metrics(metrics: Sequence[dict[str, Any]], weights: Sequence[float]
-                      ) -> MetricRecord:
-    """Weighted mean of the sites' scalar metrics (identifiers and the weight left out).
-
-    A key that is not a finite scalar at every site that sent it is dropped for the round
-    (one site's list or NaN never breaks the others' mean).
-    """
-    top = max((float(w) for w in weights), default=0.0)
-    if not (math.isfinite(top) and top > 0):
-        return MetricRecord()
-    # scaled by a power of two (exact: the same bits as unscaled weights), so that weights up
-    # to ~1e308 do not overflow the sums
-    shift = -math.frexp(top)[1]
-    weights = [math.ldexp(float(w), shift) for w in weights]
-    total = float(sum(weights))
-    acc: dict[str, float] = {}
-    seen: dict[str, float] = {}
-    bad: set[str] = set()
-    for m, w in zip(metrics, weights, strict=True):
-        for key, value in dict(m).items():
-            k = METRIC_ALIASES.get(key, key)
-            if k in NOT_METRICS or k == "num-examples":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int | float) \
-                    or not math.isfinite(value):
-                bad.add(k)
-                continue
-            acc[k] = acc.get(k, 0.0) + float(value) * w
-            seen[k] = seen.get(k, 0.0) + w
-    out = MetricRecord()
-    for k, v in acc.items():
-        if k not in bad and seen[k] > 0 and total > 0 and math.isfinite(v / seen[k]):
-            out[k] = v / seen[k]
-    return out
-
-
-def validate_reply(reply: Message, keys: list[str], reference: list[np.ndarray], *,
-                   weight_key: str = "num-examples", max_norm: float | None = None,
-                   server_round: int | None = None, strict_dtypes: bool = False,
-                   max_weight: float | None = None
-                   ) -> tuple[list[np.ndarray], float, MetricRecord]:
-    """Check one train reply; return ``(arrays, weight, metrics)`` or raise UpdateRejected."""
-    site = f"node {reply.metadata.src_node_id}"
-    if reply.has_error():
-        raise UpdateRejected(f"{site} replied with an error: {reply.error.reason}")
-    content = reply.content
-    arecs = list(content.array_records.values())
-    mrecs = list(content.metric_records.values())
-    if len(arecs) != 1:
-        raise UpdateRejected(explain(f"{site}.array_records", len(arecs),
-                                     "must hold exactly one ArrayRecord",
-                                     "reply with the trained model in one ArrayRecord"))
-    if len(mrecs) != 1 or weight_key not in mrecs[0]:
-        raise UpdateRejected(explain(f"{site}.metrics", sorted(mrecs[0].keys()) if mrecs else [],
-                                     f"must hold one MetricRecord with {weight_key!r}",
-                                     f"add {weight_key!r} (number of training examples) to the "
-                                     "metrics"))
-    weight = check_metadata(site, mrecs[0], weight_key=weight_key, server_round=server_round,
-                            max_weight=max_weight)
-    try:
-        rkeys, arrays = record_to_arrays(arecs[0], copy=False)
-    except UpdateRejected:
-        raise
-    except Exception as exc:  # malformed array bytes
-        raise UpdateRejected(f"{site}.arrays could not be decoded: {exc}") from None
-    if rkeys != keys:
-        raise UpdateRejected(explain(f"{site}.arrays.keys", rkeys[:5],
-                                     f"must equal the global model's keys {keys[:5]}...",
-                                     "send the model of the same architecture"))
-    arrays = cast_update(arrays, reference, strict=strict_dtypes, site=site)
-    check_update(arrays, reference, max_norm=max_norm, site=site)
-    return arrays, weight, mrecs[0]
 
 
 class FedAvg(FedaggStrategy, FlowerFedAvg):

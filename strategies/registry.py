@@ -105,8 +105,8 @@ def build_strategy(cfg: RunConfig) -> Strategy:
         Unknown names or options, a compression spec that does not parse, secure aggregation
         around a non-linear strategy or with too few sites per round.
     """
+    from strategies.checks import guards_from_config
     from strategies.compressed import Compressed
-    from strategies.fedavg import guards_from_config
     from strategies.secure import SecureAggregation
 
     name = cfg.strategy.name.strip()

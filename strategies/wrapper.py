@@ -31,7 +31,7 @@ from flwr.serverapp.strategy import Strategy
 from fedagg.aggregate import UpdateGuards
 from fedagg.errors import ConfigError, ProtocolError, explain
 from strategies.base import FedaggStrategy, RoundLog
-from strategies.fedavg import guard_updates
+from strategies.checks import guard_updates
 from strategies.wire import arrays_to_record
 
 __all__ = ["StrategyWrapper", "inner_aggregate", "is_linear", "model_record_key",
