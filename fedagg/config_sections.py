@@ -1,5 +1,7 @@
-"""The sections of a run's TOML file: ``[run]``, ``[data]``, ``[model]``, ``[train]``, ``[strategy]``,
-``[site]``, ``[faults]`` and ``[simulation]``, and the base model of every section.
+"""The sections of a run's TOML file, and the base model of every section.
+
+``[run]``, ``[data]``, ``[model]``, ``[train]``, ``[strategy]``, ``[site]``, ``[faults]`` and
+``[simulation]``.
 
 Each section is a frozen pydantic model with ``extra="forbid"`` (``_Section``). The sections of
 the update protocols (``[compression]``, ``[secagg]``, ``[asynchronous]``) are in
