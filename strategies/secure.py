@@ -26,6 +26,10 @@ A site that fails or misses the deadline before its upload is removed (its pairw
 rebuilt from ``t`` shares); one that fails after uploading is still counted. When a needed
 secret has fewer than ``t`` live holders the round aborts: the global model stays as it was,
 and the run continues with the next round. See docs/protocols/secagg.md.
+
+The wrapper's own exchanges with the sites are in :mod:`strategies.secure_messages`, the key
+setup (epochs, thresholds per roster, blamed sites) in :mod:`strategies.secure_setup`; both
+hold methods of :class:`SecureAggregation`, bound in its class body.
 """
 
 from __future__ import annotations
@@ -37,29 +41,26 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedagg.config import RunConfig, SecAggConfig
-from fedagg.errors import AbortRound, ConfigError, ProtocolError, VerificationError, explain
+from fedagg.errors import AbortRound, ConfigError, ProtocolError, explain
 from fedagg.secagg import (
-    KeyAdvertise,
     MaskedUpload,
     SecAggParams,
     ServerStage,
     ServerState,
-    ShareKeys,
     UnmaskResponse,
 )
-from fedagg.secagg import Message as SecAggMessage
 from fedagg.secagg.params import check_site_floor
-from fedagg.update import MaskedLayout, RoundDecoder, SupportHistory, UploadSpec, masked_layout
-from strategies.base import exchange
+from fedagg.update import RoundDecoder, SupportHistory, UploadSpec
+from strategies import secure_messages, secure_setup
 from strategies.fedavg import FedAvg
 from strategies.secure_params import (
     check_aggregate,
@@ -67,21 +68,7 @@ from strategies.secure_params import (
     resolve_params,
     unflatten_like,
 )
-from strategies.wire import (
-    INSTRUCTION_KEY,
-    PARAMS_KEY,
-    PREVIOUS_KEY,
-    VOTES_KEY,
-    Instruction,
-    SiteIndex,
-    arrays_to_record,
-    message_nbytes,
-    pack,
-    params_to_record,
-    record_to_arrays,
-    unpack,
-    votes_record,
-)
+from strategies.wire import SiteIndex, record_to_arrays
 from strategies.wrapper import StrategyWrapper, inner_aggregate, is_linear
 
 __all__ = ["SecureAggregation", "flatten_arrays", "resolve_params", "unflatten_like"]
@@ -219,200 +206,25 @@ class SecureAggregation(StrategyWrapper):
         return {}
 
     # -- messaging ------------------------------------------------------------------------------
-    def _message(self, node: int, site: int, stage: str, body: SecAggMessage,
-                 config: ConfigRecord, group: str, ttl: float,
-                 extra: dict[str, Any] | None = None) -> Message:
-        assert self.params is not None
-        content = RecordDict(dict(extra or {}))
-        content[self.config_key] = config
-        content[PARAMS_KEY] = params_to_record(self.params, site, stage)
-        pack(content, body)
-        return Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN,
-                       group_id=group, ttl=ttl)
-
-    def _exchange(self, messages: list[Message], timeout: float, phase: str) -> list[Message]:
-        """One exchange of the wrapper's own: deadline, genuine replies only, bytes counted.
-
-        Replies are filtered (:func:`strategies.base.exchange`): a reply to an earlier
-        exchange's message, to a message addressed to another node, or a second reply is
-        refused and recorded; error and missing replies are failures. No retries: a
-        secure-aggregation message must not be answered twice.
-        """
-        log = self.round_log
-        assert self._grid is not None
-        t0 = time.perf_counter()
-        replies, refused, bytes_down, _ = (exchange(self._grid, messages, timeout) if messages
-                                           else ([], {}, 0, 0))
-        log.bytes_down += bytes_down
-        log.tick(phase, t0)
-        log.exchanges += 1
-        for node, why in refused.items():
-            log.rejected.setdefault(node, f"{phase}: {why}")
-        return self._sort(messages, replies, timeout, phase, count_bytes=True)
-
-    def _sort(self, messages: Sequence[Message], replies: Iterable[Message], timeout: float,
-              phase: str, *, count_bytes: bool) -> list[Message]:
-        log = self.round_log
-        replies = list(replies)
-        answered = {r.metadata.src_node_id for r in replies}
-        for m in messages:
-            if m.metadata.dst_node_id not in answered:
-                self._fail(m.metadata.dst_node_id, f"{phase}: no reply within {timeout:.0f} s")
-        ok = []
-        for r in replies:
-            if r.has_error():
-                self._fail(r.metadata.src_node_id, f"{phase}: {r.error.reason}")
-                continue
-            if count_bytes:
-                size = message_nbytes(r)
-                log.bytes_up += size
-                log.up[phase] = log.up.get(phase, 0) + size
-            ok.append(r)
-        return ok
-
-    def _fail(self, node: int, reason: str) -> None:
-        self.round_log.failed.setdefault(node, reason)
-        _log.warning("secure aggregation: node %d dropped (%s)", node, reason)
-
-    def _receive(self, reply: Message, cls: type[Any], site_of: dict[int, int], accept: Any,
-                 phase: str) -> bool:
-        """Parse one reply and hand it to the server state; a bad one drops only its site."""
-        node = reply.metadata.src_node_id
-        sender = site_of.get(node)
-        try:
-            if sender is None:
-                raise ProtocolError(explain("node", node, "is not a participant of this stage",
-                                            "drop the reply"))
-            msg = unpack(reply.content, cls)
-            accept(msg, sender=sender)  # the core refuses a reply in another site's name
-        except (ProtocolError, VerificationError, ConfigError) as exc:
-            self.round_log.rejected[str(node)] = f"{phase}: {exc}"
-            self._fail(node, f"{phase}: invalid reply: {exc}")
-            return False
-        except Exception as exc:  # never one site's reply past its own rejection
-            _log.error("secure aggregation: unexpected %s from node %d's %s reply",
-                       type(exc).__name__, node, phase, exc_info=True)
-            self.round_log.rejected[str(node)] = f"{phase}: {type(exc).__name__}: {exc}"
-            self._fail(node, f"{phase}: invalid reply: {type(exc).__name__}")
-            return False
-        return True
+    # (defined in strategies.secure_messages, bound here)
+    _message = secure_messages._message
+    _exchange = secure_messages._exchange
+    _sort = secure_messages._sort
+    _fail = secure_messages._fail
+    _receive = secure_messages._receive
+    _layout = secure_messages._layout
+    _upload_records = secure_messages._upload_records
+    _support = secure_messages._support
 
     # -- key setup (two exchanges) -------------------------------------------------------------
-    def _setup(self, nodes: Sequence[int], config: ConfigRecord, group: str) -> None:
-        assert self.server is not None and self.params is not None
-        nodes = [n for n in nodes if n not in self._excluded_nodes()]
-        self._params_for_roster(len(nodes))
-        t = self.params.setup_timeout_s
-        idx = dict(zip(nodes, self.sites.indices(nodes), strict=True))
-        request = self.server.begin_setup(idx.values())
-        msgs = [self._message(n, i, "advertise", request, config, group, t)
-                for n, i in idx.items()]
-        for reply in self._exchange(msgs, t, "setup"):
-            self._receive(reply, KeyAdvertise, idx, self.server.receive_advertise, "advertise")
-        share_requests = self.server.close_advertise()  # AbortRound when < 2 sites advertised
-        node_of = {i: n for n, i in idx.items()}
-        msgs = [self._message(node_of[i], i, "share-keys", req, config, group, t)
-                for i, req in share_requests.items()]
-        for reply in self._exchange(msgs, t, "setup"):
-            self._receive(reply, ShareKeys, idx, self.server.receive_share_keys, "share_keys")
-        usable = self.server.close_share_keys()
-        _log.info("secure aggregation: epoch %d keyed with %d of %d sites", self.server.epoch,
-                  len(usable), len(nodes))
-
-    def _params_for_roster(self, roster: int) -> None:
-        """Resolve ``t`` (and ``k``) for the roster an epoch is about to be keyed over.
-
-        ``t`` was resolved from the sampled count, but an epoch may be keyed over every
-        connected node (``run.fraction_train < 1``): its ``k`` can then exceed ``2 t``, and
-        every site would refuse the setup (its floor, docs/protocols/secagg.md section 4). A
-        new epoch starts with the parameters of its own roster (sites get them, and their
-        digest, in the setup messages); nothing changes within an epoch.
-        """
-        assert self.server is not None and self.params is not None
-        if roster < 2:
-            return  # close_advertise aborts the setup with the reason
-        k = self.params.neighbours_for(roster)
-        t = self.secagg.resolve_threshold(k)
-        if t != self.params.threshold:
-            params = dataclasses.replace(self.params, threshold=t)
-            _log.info("secure aggregation: threshold t = %d for an epoch of %d sites (k = %d)",
-                      t, roster, k)
-            self.params = params
-            self.server.params = params
-
-    def _roster_fits(self, roster: int, sampled: int) -> bool:
-        """Whether an epoch keyed over ``roster`` sites can serve rounds of ``sampled``: its
-        ``t`` (resolved for the roster's ``k``) needs ``t`` neighbours among the sampled."""
-        assert self.params is not None
-        if roster < 2 or roster <= sampled:
-            return True
-        try:
-            t = self.secagg.resolve_threshold(self.params.neighbours_for(roster))
-        except ConfigError:
-            return False
-        return t <= sampled - 1
-
-    def _excluded_nodes(self) -> set[int]:
-        """Nodes whose own shares made a round of this run abort (``secagg.exclude_blamed``).
-
-        The protocol cannot tell such a site from one framed by more than ``k - t`` lying
-        neighbours; fedagg leaves it out of the rest of the run by default (an availability
-        attack costs one round, not every round), and says so in the round's ``rejected``.
-        """
-        if self.server is None or not self.secagg.exclude_blamed:
-            return set()
-        out = set()
-        for i in self.server.blamed_sites:
-            try:
-                out.add(self.sites.node(i))
-            except KeyError:
-                continue
-        return out
-
-    def _ensure_server(self, grid: Grid, per_round: int, upload_timeout: float) -> ServerState:
-        if self.server is None:
-            n = len(list(grid.get_node_ids()))
-            self.params = resolve_params(self.secagg, min(max(per_round, 1), max(n, 1)),
-                                         upload_timeout=upload_timeout)
-            self.server = ServerState(self.params, run_id=self._run_id,
-                                      threads=self.secagg.threads)
-        return self.server
-
-    def _open_round(self, grid: Grid, server: ServerState, nodes: Sequence[int],
-                    site_of: dict[int, int], dim: int | Callable[[int], int],
-                    config: ConfigRecord, group: str) -> dict[int, Any]:
-        """Re-key when needed and open the round; returns ``{site: RoundRequest}``.
-
-        ``dim`` is the masked length, or a function of the number of participants (the vote
-        counters' packing depends on it).
-        """
-        sampled = [site_of[n] for n in nodes]
-        narrow = False  # keyed over exactly the sampled sites in this call
-        if server.epoch == 0 or server.needs_rekey(sampled):
-            roster = [n for n in grid.get_node_ids() if n not in self._excluded_nodes()]
-            if not self._roster_fits(len(roster), len(sampled)):
-                roster = list(nodes)  # the roster's t cannot be met by a round this size
-            t0 = time.perf_counter()
-            self._setup(roster, config, group)
-            self.round_log.tick("setup", t0)
-            narrow = set(roster) <= set(nodes)
-        for attempt in (0, 1):
-            part = [i for i in sampled if i in set(server.usable_sites)]
-            self._counter += 1
-            try:
-                return server.begin_round(self._counter, part,
-                                          dim if isinstance(dim, int) else dim(len(part)))
-            except (AbortRound, ConfigError):
-                # Some participant has < t neighbours among the sampled sites (sparse graph
-                # over a larger roster), or the epoch's t does not fit a round this size: key
-                # a new epoch over exactly the sampled sites.
-                if narrow or attempt:
-                    raise
-                t0 = time.perf_counter()
-                self._setup(list(nodes), config, group)
-                self.round_log.tick("setup", t0)
-                narrow = True
-        raise AssertionError("unreachable")
+    # (defined in strategies.secure_setup, bound here)
+    _setup = secure_setup._setup
+    _params_for_roster = secure_setup._params_for_roster
+    _roster_fits = secure_setup._roster_fits
+    _excluded_nodes = secure_setup._excluded_nodes
+    _ensure_server = secure_setup._ensure_server
+    _open_round = secure_setup._open_round
+    _name_blamed = secure_setup._name_blamed
 
     # -- Flower's protocol ----------------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -477,42 +289,6 @@ class SecureAggregation(StrategyWrapper):
                        "layout": self._layout(dim, participants), "participants": participants}
         return out
 
-    def _layout(self, dim: int, participants: int) -> MaskedLayout:
-        """The masked vector of the round (:func:`fedagg.update.masked_layout`)."""
-        assert self.params is not None
-        return masked_layout(self.history, dim, num_sites=participants,
-                             ring_bits=self.params.encoding_for(participants)[1])
-
-    def _upload_records(self, server_round: int, node: int, keys: list[str]) -> dict[str, Any]:
-        """The instruction (and the previous model) of a sparse round."""
-        if self.spec.dense:
-            return {}
-        votes = self.history.votes if self.spec.votes else None
-        out: dict[str, Any] = {INSTRUCTION_KEY: Instruction(
-            up=self.spec.up, run_seed=self.run_seed, server_round=server_round,
-            previous_round=self.history.previous_round if self.spec.needs_previous else -1,
-            namespace=self.state_namespace, support=self.spec.support,
-            votes_round=-1 if votes is None else votes[0]).to_record()}
-        if votes is not None:  # public: the vote sum the server unmasked (counted downward)
-            out[VOTES_KEY] = votes_record(votes[1])
-        if (self.spec.needs_previous and self.history.previous is not None
-                and node not in self.history.fresh):
-            out[PREVIOUS_KEY] = arrays_to_record(self.history.previous, keys)
-        return out
-
-    def _support(self, dim: int) -> np.ndarray | None:
-        """The round's public support (None: dense or sketch), as the sites compute it."""
-        if self.spec.dense or self.spec.sketch:
-            self.last_support = None
-            return None
-        support = self.history.support()
-        if support is None or support.size < 1:
-            raise ConfigError(explain("compression.up", self.spec.up,
-                                      "a secure sparse round needs a support of >= 1 position",
-                                      "raise the ratio or k of the sparsifier"))
-        self.last_support = support
-        return support
-
     def _abort(self, server_round: int, reason: str) -> None:
         self._name_blamed(server_round)
         self.round_log.aborted = f"secure aggregation aborted: {reason}"
@@ -522,24 +298,6 @@ class SecureAggregation(StrategyWrapper):
                                  "failed": dict(self.round_log.failed),
                                  "exchanges": self.round_log.exchanges,
                                  "bytes_up": dict(self.round_log.up)})
-
-    def _name_blamed(self, server_round: int) -> None:
-        """Name, in the round's ``rejected``, each site the core newly blamed for an abort."""
-        if self.server is None:
-            return
-        for i in self.server.blamed_sites:
-            if i in self._named_blamed:
-                continue
-            self._named_blamed.add(i)
-            try:
-                node = str(self.sites.node(i))
-            except KeyError:
-                continue
-            self.round_log.rejected.setdefault(node, (
-                f"round {server_round}: its own relayed shares could not be opened by its "
-                "neighbours, so the round aborted (blamed; "
-                + ("left out of the run's later rounds" if self.secagg.exclude_blamed
-                   else "re-keyed before it takes part again") + ")"))
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
