@@ -25,22 +25,22 @@ version, optimizer, buffer, in-flight dispatches and the models they train from)
 checkpointed atomically; a resumed run sends the in-flight dispatches again (at their
 original times on a virtual clock), so it replays the same arrival order and the same
 versions as an uninterrupted run (tests/asynchronous/test_async_resume.py).
+
+The secure cohorts are in :mod:`server.async_cohorts`; the records, checkpoints, outputs and
+the resume in :mod:`server.async_records` (methods of the run, bound in its class body).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
 import signal
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from flwr.app import ArrayRecord, Message
 from flwr.serverapp import Grid
 
@@ -54,29 +54,25 @@ from fedagg.asyncagg import (
     WallClock,
 )
 from fedagg.config import RunConfig
-from fedagg.data import load_dataset
 from fedagg.errors import ConfigError, RunFailed, UpdateRejected, explain
-from fedagg.models import set_weights
-from fedagg.report import atomic_write_bytes, write_metrics, write_plot
-from fedagg.training import evaluate
+from fedagg.report import atomic_write_bytes
+from server import async_cohorts, async_records
+from server.async_cohorts import _CohortRun
 from server.async_dispatch import (
-    CohortSink,
     NodeView,
     check_asynchronous,
-    cohort_strategy,
     concurrency_of,
     config_with_round,
     decode_update,
     job_strategy,
 )
-from server.checkpoint import save_checkpoint
+from server.async_records import _Tally
 from server.runner import (
     EvaluateFn,
     ModelFn,
     RoundCallback,
     _initial,
     client_config,
-    load_resume,
     model_digest,
     wait_for_sites,
 )
@@ -85,7 +81,7 @@ from strategies.checks import partition_of
 from strategies.compressed import Compressed
 from strategies.fedavg import FedAvg
 from strategies.secure import SecureAggregation
-from strategies.wire import arrays_to_record, message_nbytes, record_to_arrays
+from strategies.wire import message_nbytes, record_to_arrays
 
 __all__ = ["run_async_server"]
 
@@ -100,33 +96,6 @@ class _Flight:
     job: Job
     strategy: Any  # FedAvg | Compressed | SecureAggregation of this dispatch
     message: Message
-
-
-@dataclass
-class _CohortRun:
-    """An open secure cohort: its protocol instance and the uploads received so far."""
-
-    sec: SecureAggregation
-    sink: CohortSink
-    nodes: list[int]
-    replies: dict[int, Message] = field(default_factory=dict)
-
-
-@dataclass
-class _Tally:
-    """What happened since the last record (bytes, sites, refusals, errors)."""
-
-    t0: float = 0.0
-    wall0: float = field(default_factory=time.perf_counter)
-    bytes_up: int = 0
-    bytes_down: int = 0
-    dispatched: int = 0
-    replied: int = 0
-    refused: dict[str, str] = field(default_factory=dict)
-    errors: dict[str, str] = field(default_factory=dict)
-    loss: float = 0.0
-    loss_weight: float = 0.0
-    secagg: dict[str, Any] = field(default_factory=dict)
 
 
 def _kill_if(point: str) -> None:
@@ -170,78 +139,12 @@ class _AsyncRun:
         self._eval = self._evaluator(evaluate_fn, model_fn)
 
     # -- evaluation, records, checkpoints --------------------------------------------------------
-    def _evaluator(self, evaluate_fn: EvaluateFn | None, model_fn: ModelFn | None
-                   ) -> EvaluateFn | None:
-        if evaluate_fn is not None or model_fn is not None:
-            return evaluate_fn
-        cfg = self.cfg
-        ds = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir,
-                          test_fraction=cfg.data.test_fraction, seed=cfg.run.seed)
-
-        def central(rec: ArrayRecord) -> tuple[float, float] | None:
-            set_weights(self.model, record_to_arrays(rec)[1])
-            return evaluate(self.model, ds.x_test, ds.y_test)
-
-        return central
-
-    def _evaluated(self) -> tuple[float | None, float | None]:
-        res = self._eval(self._record(self.state.version)) if self._eval is not None else None
-        return (None, None) if res is None else (float(res[0]), float(res[1]))
-
-    def _record(self, version: int) -> ArrayRecord:
-        """The ArrayRecord of ``version`` (one per version, shared by its dispatches)."""
-        rec = self._records_of.get(version)
-        if rec is None:
-            rec = arrays_to_record(self.state.model_of(version), self.keys)
-            self._records_of = {v: r for v, r in self._records_of.items()
-                                if v in {j.version for j in self.state.jobs.values()}}
-            self._records_of[version] = rec
-        return rec
-
-    def _checkpoint(self) -> None:
-        if self.out is None or not self.cfg.run.checkpoint:
-            return
-        self.state.now = self.clock.now()
-        save_checkpoint(self.out, round=len(self.records) - 1, cfg=self.cfg, keys=self.keys,
-                        arrays=self.state.model, records=self.records,
-                        strategy_state={"asynchronous": self.state.state_dict(),
-                                        "run_id": self.run_id})
-
-    def _emit(self, rec: dict[str, Any]) -> None:
-        self.records.append(rec)
-        if self.out is not None:
-            write_metrics(self.out, self.records)
-        if self.on_round is not None:
-            self.on_round(rec)
-
-    def _new_record(self, committed: bool, summary: str) -> dict[str, Any]:
-        """The record of one applied (or refused) buffer; resets the tally."""
-        t, now = self.tally, self.clock.now()
-        rnd = len(self.records)
-        rec: dict[str, Any] = {"round": rnd, "version": self.state.version, "mode": self.mode,
-                               "accuracy": None, "loss": None,
-                               "model_digest": model_digest(self._record(self.state.version)),
-                               "model_updated": committed, "time": now,
-                               "seconds": now - t.t0, "wall_seconds": time.perf_counter() - t.wall0,
-                               "bytes_up": t.bytes_up, "bytes_down": t.bytes_down,
-                               "sites_sampled": t.dispatched, "sites_replied": t.replied,
-                               "sites_failed": len(t.errors), "sites_rejected": len(t.refused),
-                               "in_flight": len(self.flights)}
-        if rnd % self.cfg.run.evaluate_every == 0 or rnd >= self.cfg.run.rounds:
-            t1 = time.perf_counter()
-            loss, acc = self._evaluated()
-            rec.update(accuracy=acc, loss=loss, seconds_eval=time.perf_counter() - t1)
-        if t.loss_weight > 0:
-            rec["train_loss"] = t.loss / t.loss_weight
-        rec.update(t.secagg)
-        if t.refused:
-            rec["rejected"] = dict(t.refused)
-        if t.errors:
-            rec["errors"] = dict(t.errors)
-        if summary:
-            rec["summary"] = summary
-        self.tally = _Tally(t0=now)
-        return rec
+    _evaluator = async_records._evaluator
+    _evaluated = async_records._evaluated
+    _record = async_records._record
+    _checkpoint = async_records._checkpoint
+    _emit = async_records._emit
+    _new_record = async_records._new_record
 
     def _take(self) -> dict[str, Any]:
         """Apply the buffer (model-integrity checked); the record of it (not yet emitted)."""
@@ -302,29 +205,7 @@ class _AsyncRun:
                                       "check strategy.options"))
         self._push(job, strategy, msgs[0])
 
-    def _send_cohort(self, cohort_id: int) -> None:
-        """Key a cohort (SecAgg+ setup over its sites) and push its masked-upload requests."""
-        c = self.state.cohorts[cohort_id]
-        sec, sink = cohort_strategy(self.cfg, self.run_id, c.cohort, c.attempt, self.job_timeout)
-        config = config_with_round(client_config(self.cfg), c.server_round)
-        msgs = list(sec.configure_train(c.server_round, self._record(c.version), config,
-                                        NodeView(self.grid, c.members)))
-        log = sec.round_log
-        if not msgs:
-            self.state.close_cohort(cohort_id)
-            self.tally.bytes_up += log.bytes_up
-            self.tally.bytes_down += log.bytes_down
-            for node, why in log.failed.items():
-                self.tally.errors[str(node)] = why
-            self.tally.errors[f"cohort {cohort_id}"] = log.aborted or "no site could be keyed"
-            _log.warning("cohort %d: %s", cohort_id, log.aborted)
-            return
-        run = _CohortRun(sec, sink, [m.metadata.dst_node_id for m in msgs])
-        self.cohorts[cohort_id] = run
-        for m in msgs:
-            job = self.state.dispatch(m.metadata.dst_node_id, self.clock.now(),
-                                      server_round=c.server_round, cohort=cohort_id)
-            self._push(job, sec, m)
+    _send_cohort = async_cohorts._send_cohort
 
     def _nodes(self) -> list[int]:
         return sorted(int(n) for n in self.grid.get_node_ids())
@@ -413,61 +294,9 @@ class _AsyncRun:
             self._apply()
         _log.debug("folded node %s (staleness %d)", node, entry.staleness)
 
-    def _handle_upload(self, job: Job, reply: Message) -> None:
-        run = self.cohorts.get(job.cohort)
-        if run is None:
-            self.tally.refused[str(job.node)] = (
-                f"node {job.node}: masked upload for cohort {job.cohort} arrived after the cohort "
-                "closed: it was counted as dropped, its masks were removed with Shamir shares, "
-                "and its update, under its own self mask, is never unmasked")
-            return
-        run.replies[job.node] = reply
-        uploaded = sum(1 for r in run.replies.values() if not r.has_error())
-        if len(run.replies) >= len(run.nodes) or uploaded >= self._quorum(len(run.nodes)):
-            self._close_cohort(job.cohort)
-
-    def _quorum(self, n: int) -> int:
-        return max(math.ceil(self.cfg.asynchronous.cohort_quorum * n - 1e-9), 1)
-
-    def _close_cohort(self, cohort_id: int) -> None:
-        """Unmask the cohort's sum (Shamir recovery of its dropped / late sites); fold, apply."""
-        run = self.cohorts.pop(cohort_id)
-        c = self.state.close_cohort(cohort_id)
-        replies = [r for r in run.replies.values()]
-        self.tally.replied += sum(1 for r in replies if not r.has_error())
-        run.sec.aggregate_train(c.server_round, replies)
-        log = run.sec.round_log
-        self.tally.bytes_up += log.bytes_up
-        self.tally.bytes_down += log.bytes_down
-        uploaded = sum(1 for r in replies if not r.has_error())
-        for node, why in log.failed.items():
-            if node not in run.replies:  # closed before it uploaded: late, not failed
-                why = (f"cohort {cohort_id} closed ({uploaded} of {len(run.nodes)} uploads, "
-                       f"asynchronous.cohort_quorum = {self.cfg.asynchronous.cohort_quorum}) "
-                       "before this site uploaded: counted as dropped, its masks removed with "
-                       "Shamir shares")
-            self.tally.errors.setdefault(str(node), why)
-        for who, why in log.rejected.items():
-            self.tally.refused.setdefault(str(who), why)
-        result = run.sec.last_result
-        if run.sink.captured is None or result is None:
-            why = log.aborted or "secure aggregation returned no aggregate"
-            self.tally.errors[f"cohort {cohort_id}"] = why
-            _log.warning("cohort %d: %s", cohort_id, why)
-            return
-        delta, weight, _, sites = run.sink.captured
-        self.tally.secagg = {
-            "cohort": cohort_id, "cohort_version": c.version, "cohort_round": c.server_round,
-            "cohort_nodes": sorted(run.sec.sites.node(i) for i in result.counted),
-            "secagg_counted": len(result.counted), "secagg_dropped": len(result.dropped),
-            "secagg_error_bound": float(result.error_bound)}
-        try:
-            self.state.fold(delta, node=-1, partition=-1, job=cohort_id, version=c.version,
-                            weight=weight, count=sites)
-        except UpdateRejected as exc:
-            self.tally.refused[f"cohort {cohort_id}"] = str(exc)
-            return
-        self._apply()
+    _handle_upload = async_cohorts._handle_upload
+    _quorum = async_cohorts._quorum
+    _close_cohort = async_cohorts._close_cohort
 
     # -- time --------------------------------------------------------------------------------------
     def _expire(self) -> None:
@@ -539,45 +368,7 @@ class _AsyncRun:
                               poll=self.cfg.asynchronous.poll)
 
     # -- resume ------------------------------------------------------------------------------------
-    def _resume(self) -> None:
-        ckpt = load_resume(self.cfg, self.keys, self.state.model)
-        state = ckpt.strategy_state or {}
-        if "asynchronous" not in state:
-            raise ConfigError(explain("--resume", str(self.cfg.run.resume),
-                                      "holds a synchronous run's checkpoint",
-                                      "resume it with asynchronous.mode = 'off'"))
-        self.state.load_state_dict(state["asynchronous"])
-        self.run_id = bytes(state["run_id"])
-        self.records = list(ckpt.records)
-        for old in self.records:
-            if self.on_round is not None:
-                self.on_round(old)
-        now = self.state.now
-        replays: list[tuple[float, int, Any]] = []
-        for job in self.state.jobs.values():
-            if job.cohort < 0:
-                replays.append((job.dispatched_at, job.job, job))
-        for c in list(self.state.cohorts.values()):
-            for j in [j for j in self.state.jobs.values() if j.cohort == c.cohort]:
-                self.state.arrive(j.job)  # the protocol state is not checkpointed: re-key
-            self.state.cohorts[c.cohort] = dataclasses.replace(c, attempt=c.attempt + 1)
-            replays.append((c.started_at, -c.cohort, c.cohort))
-        for t, _, item in sorted(replays, key=lambda x: (x[0], x[1] if x[1] > 0 else 0)):
-            if isinstance(self.clock, VirtualClock):
-                self.clock.set(t)  # the same arrival times as before the crash
-            else:
-                self.clock.set(now)
-            if isinstance(item, Job):
-                if not isinstance(self.clock, VirtualClock):
-                    item = dataclasses.replace(item, dispatched_at=now)
-                    self.state.jobs[item.job] = item
-                self._send_job(item)
-            else:
-                self._send_cohort(int(item))
-        self.clock.set(now)
-        self.tally = _Tally(t0=self.records[-1].get("time", now) if self.records else now)
-        _log.info("resuming asynchronous run at version %d (%d dispatches sent again)",
-                  self.state.version, len(self.flights))
+    _resume = async_records._resume
 
     # -- the loop ------------------------------------------------------------------------------------
     def run(self) -> list[dict[str, Any]]:
@@ -622,24 +413,7 @@ class _AsyncRun:
         t = nxt(list(self.flights))
         return t is not None and t <= self.clock.now()
 
-    def _finish(self) -> None:
-        if self.out is not None:
-            write_metrics(self.out, self.records)
-            named: dict[str, Any] = dict(zip(self.keys, self.state.model, strict=True))
-            np.savez(self.out / "model.npz", **named)
-            from fedagg.task import set_weights as load_arrays
-
-            load_arrays(self.model, self.state.model)
-            path = self.out / "model.pt"
-            torch.save(self.model.state_dict(), path.with_suffix(".pt.tmp"))
-            path.with_suffix(".pt.tmp").replace(path)
-            write_plot(self.out, self.records, title=f"{self.cfg.run.name}: {self.mode} "
-                       f"({self.cfg.strategy.name}) on {self.cfg.data.dataset}")
-        if not any(r.get("model_updated") for r in self.records[1:]):
-            summaries = [r["summary"] for r in self.records[1:] if r.get("summary")]
-            raise RunFailed("no buffer of the asynchronous run changed the global model:\n  "
-                            + "\n  ".join(summaries[-10:] or ["(no update arrived)"]),
-                            self.records)
+    _finish = async_records._finish
 
 
 def run_async_server(grid: Grid, cfg: RunConfig, run_dir: str | Path | None, *,

@@ -1,0 +1,129 @@
+"""Secure FedBuff: the cohorts of the asynchronous loop (docs/protocols/async-secagg.md).
+
+Under secure aggregation sites are dispatched ``K`` (``asynchronous.buffer_size``) at a time
+as a *cohort* with its own SecAgg+ instance (:func:`server.async_dispatch.cohort_strategy`):
+keyed and sent its masked-upload requests when dispatched (``_send_cohort``), closed once
+``asynchronous.cohort_quorum`` of its sites uploaded or all replied (``_handle_upload``,
+``_quorum``), or at ``run.round_timeout``; closing unmasks the cohort's sum, with the masks of
+its dropped and late sites removed from Shamir shares, and folds it into the buffer as one
+update of its dispatched version (``_close_cohort``). A late upload of a closed cohort is
+refused: under its own self mask it is never unmasked.
+
+Methods of :class:`server.asynchronous._AsyncRun`, defined here and bound in its class body.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from flwr.app import Message
+
+from fedagg.asyncagg import Job
+from fedagg.errors import UpdateRejected
+from server.async_dispatch import CohortSink, NodeView, cohort_strategy, config_with_round
+from server.runner import client_config
+from strategies.secure import SecureAggregation
+
+if TYPE_CHECKING:
+    from server.asynchronous import _AsyncRun
+
+__all__: list[str] = []  # _AsyncRun's methods and their record type (bound in server.asynchronous)
+
+_log = logging.getLogger("server.asynchronous")  # the name these records had before the split
+
+
+@dataclass
+class _CohortRun:
+    """An open secure cohort: its protocol instance and the uploads received so far."""
+
+    sec: SecureAggregation
+    sink: CohortSink
+    nodes: list[int]
+    replies: dict[int, Message] = field(default_factory=dict)
+
+
+def _send_cohort(self: _AsyncRun, cohort_id: int) -> None:
+    """Key a cohort (SecAgg+ setup over its sites) and push its masked-upload requests."""
+    c = self.state.cohorts[cohort_id]
+    sec, sink = cohort_strategy(self.cfg, self.run_id, c.cohort, c.attempt, self.job_timeout)
+    config = config_with_round(client_config(self.cfg), c.server_round)
+    msgs = list(sec.configure_train(c.server_round, self._record(c.version), config,
+                                    NodeView(self.grid, c.members)))
+    log = sec.round_log
+    if not msgs:
+        self.state.close_cohort(cohort_id)
+        self.tally.bytes_up += log.bytes_up
+        self.tally.bytes_down += log.bytes_down
+        for node, why in log.failed.items():
+            self.tally.errors[str(node)] = why
+        self.tally.errors[f"cohort {cohort_id}"] = log.aborted or "no site could be keyed"
+        _log.warning("cohort %d: %s", cohort_id, log.aborted)
+        return
+    run = _CohortRun(sec, sink, [m.metadata.dst_node_id for m in msgs])
+    self.cohorts[cohort_id] = run
+    for m in msgs:
+        job = self.state.dispatch(m.metadata.dst_node_id, self.clock.now(),
+                                  server_round=c.server_round, cohort=cohort_id)
+        self._push(job, sec, m)
+
+
+def _handle_upload(self: _AsyncRun, job: Job, reply: Message) -> None:
+    run = self.cohorts.get(job.cohort)
+    if run is None:
+        self.tally.refused[str(job.node)] = (
+            f"node {job.node}: masked upload for cohort {job.cohort} arrived after the cohort "
+            "closed: it was counted as dropped, its masks were removed with Shamir shares, "
+            "and its update, under its own self mask, is never unmasked")
+        return
+    run.replies[job.node] = reply
+    uploaded = sum(1 for r in run.replies.values() if not r.has_error())
+    if len(run.replies) >= len(run.nodes) or uploaded >= self._quorum(len(run.nodes)):
+        self._close_cohort(job.cohort)
+
+
+def _quorum(self: _AsyncRun, n: int) -> int:
+    return max(math.ceil(self.cfg.asynchronous.cohort_quorum * n - 1e-9), 1)
+
+
+def _close_cohort(self: _AsyncRun, cohort_id: int) -> None:
+    """Unmask the cohort's sum (Shamir recovery of its dropped / late sites); fold, apply."""
+    run = self.cohorts.pop(cohort_id)
+    c = self.state.close_cohort(cohort_id)
+    replies = [r for r in run.replies.values()]
+    self.tally.replied += sum(1 for r in replies if not r.has_error())
+    run.sec.aggregate_train(c.server_round, replies)
+    log = run.sec.round_log
+    self.tally.bytes_up += log.bytes_up
+    self.tally.bytes_down += log.bytes_down
+    uploaded = sum(1 for r in replies if not r.has_error())
+    for node, why in log.failed.items():
+        if node not in run.replies:  # closed before it uploaded: late, not failed
+            why = (f"cohort {cohort_id} closed ({uploaded} of {len(run.nodes)} uploads, "
+                   f"asynchronous.cohort_quorum = {self.cfg.asynchronous.cohort_quorum}) "
+                   "before this site uploaded: counted as dropped, its masks removed with "
+                   "Shamir shares")
+        self.tally.errors.setdefault(str(node), why)
+    for who, why in log.rejected.items():
+        self.tally.refused.setdefault(str(who), why)
+    result = run.sec.last_result
+    if run.sink.captured is None or result is None:
+        why = log.aborted or "secure aggregation returned no aggregate"
+        self.tally.errors[f"cohort {cohort_id}"] = why
+        _log.warning("cohort %d: %s", cohort_id, why)
+        return
+    delta, weight, _, sites = run.sink.captured
+    self.tally.secagg = {
+        "cohort": cohort_id, "cohort_version": c.version, "cohort_round": c.server_round,
+        "cohort_nodes": sorted(run.sec.sites.node(i) for i in result.counted),
+        "secagg_counted": len(result.counted), "secagg_dropped": len(result.dropped),
+        "secagg_error_bound": float(result.error_bound)}
+    try:
+        self.state.fold(delta, node=-1, partition=-1, job=cohort_id, version=c.version,
+                        weight=weight, count=sites)
+    except UpdateRejected as exc:
+        self.tally.refused[f"cohort {cohort_id}"] = str(exc)
+        return
+    self._apply()

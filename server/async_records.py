@@ -1,0 +1,202 @@
+"""What an asynchronous run records and writes, and how it resumes from its checkpoint.
+
+* ``_Tally`` — what happened since the last record (bytes, sites, refusals, errors, training
+  loss, the secure cohort's figures); ``_new_record`` turns it into the record of one
+  applied (or refused) buffer, with the central evaluation every ``run.evaluate_every``
+  records (``_evaluator``, ``_evaluated``);
+* ``_record`` — the ArrayRecord of a model version, one per version, shared by its
+  dispatches; ``_emit`` / ``_checkpoint`` — ``metrics.json``, the round callback and the
+  atomic checkpoint of the whole state after every applied buffer;
+* ``_resume`` — the state, records and run id from a checkpoint, and the in-flight
+  dispatches sent again (at their original times on a virtual clock, so the run replays the
+  same arrival order and versions; a cohort re-keys); ``_finish`` — ``model.npz`` /
+  ``model.pt``, the plot, and a failed run when no buffer changed the model.
+
+Methods of :class:`server.asynchronous._AsyncRun`, defined here and bound in its class body.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord
+
+from fedagg.asyncagg import Job, VirtualClock
+from fedagg.data import load_dataset
+from fedagg.errors import ConfigError, RunFailed, explain
+from fedagg.models import set_weights
+from fedagg.report import write_metrics, write_plot
+from fedagg.training import evaluate
+from server.checkpoint import save_checkpoint
+from server.runner import EvaluateFn, ModelFn, load_resume, model_digest
+from strategies.wire import arrays_to_record, record_to_arrays
+
+if TYPE_CHECKING:
+    from server.asynchronous import _AsyncRun
+
+__all__: list[str] = []  # _AsyncRun's methods and their record type (bound in server.asynchronous)
+
+_log = logging.getLogger("server.asynchronous")  # the name these records had before the split
+
+
+@dataclass
+class _Tally:
+    """What happened since the last record (bytes, sites, refusals, errors)."""
+
+    t0: float = 0.0
+    wall0: float = field(default_factory=time.perf_counter)
+    bytes_up: int = 0
+    bytes_down: int = 0
+    dispatched: int = 0
+    replied: int = 0
+    refused: dict[str, str] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    loss: float = 0.0
+    loss_weight: float = 0.0
+    secagg: dict[str, Any] = field(default_factory=dict)
+
+
+def _evaluator(self: _AsyncRun, evaluate_fn: EvaluateFn | None, model_fn: ModelFn | None
+               ) -> EvaluateFn | None:
+    if evaluate_fn is not None or model_fn is not None:
+        return evaluate_fn
+    cfg = self.cfg
+    ds = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir,
+                      test_fraction=cfg.data.test_fraction, seed=cfg.run.seed)
+
+    def central(rec: ArrayRecord) -> tuple[float, float] | None:
+        set_weights(self.model, record_to_arrays(rec)[1])
+        return evaluate(self.model, ds.x_test, ds.y_test)
+
+    return central
+
+
+def _evaluated(self: _AsyncRun) -> tuple[float | None, float | None]:
+    res = self._eval(self._record(self.state.version)) if self._eval is not None else None
+    return (None, None) if res is None else (float(res[0]), float(res[1]))
+
+
+def _record(self: _AsyncRun, version: int) -> ArrayRecord:
+    """The ArrayRecord of ``version`` (one per version, shared by its dispatches)."""
+    rec = self._records_of.get(version)
+    if rec is None:
+        rec = arrays_to_record(self.state.model_of(version), self.keys)
+        self._records_of = {v: r for v, r in self._records_of.items()
+                            if v in {j.version for j in self.state.jobs.values()}}
+        self._records_of[version] = rec
+    return rec
+
+
+def _checkpoint(self: _AsyncRun) -> None:
+    if self.out is None or not self.cfg.run.checkpoint:
+        return
+    self.state.now = self.clock.now()
+    save_checkpoint(self.out, round=len(self.records) - 1, cfg=self.cfg, keys=self.keys,
+                    arrays=self.state.model, records=self.records,
+                    strategy_state={"asynchronous": self.state.state_dict(),
+                                    "run_id": self.run_id})
+
+
+def _emit(self: _AsyncRun, rec: dict[str, Any]) -> None:
+    self.records.append(rec)
+    if self.out is not None:
+        write_metrics(self.out, self.records)
+    if self.on_round is not None:
+        self.on_round(rec)
+
+
+def _new_record(self: _AsyncRun, committed: bool, summary: str) -> dict[str, Any]:
+    """The record of one applied (or refused) buffer; resets the tally."""
+    t, now = self.tally, self.clock.now()
+    rnd = len(self.records)
+    rec: dict[str, Any] = {"round": rnd, "version": self.state.version, "mode": self.mode,
+                           "accuracy": None, "loss": None,
+                           "model_digest": model_digest(self._record(self.state.version)),
+                           "model_updated": committed, "time": now,
+                           "seconds": now - t.t0, "wall_seconds": time.perf_counter() - t.wall0,
+                           "bytes_up": t.bytes_up, "bytes_down": t.bytes_down,
+                           "sites_sampled": t.dispatched, "sites_replied": t.replied,
+                           "sites_failed": len(t.errors), "sites_rejected": len(t.refused),
+                           "in_flight": len(self.flights)}
+    if rnd % self.cfg.run.evaluate_every == 0 or rnd >= self.cfg.run.rounds:
+        t1 = time.perf_counter()
+        loss, acc = self._evaluated()
+        rec.update(accuracy=acc, loss=loss, seconds_eval=time.perf_counter() - t1)
+    if t.loss_weight > 0:
+        rec["train_loss"] = t.loss / t.loss_weight
+    rec.update(t.secagg)
+    if t.refused:
+        rec["rejected"] = dict(t.refused)
+    if t.errors:
+        rec["errors"] = dict(t.errors)
+    if summary:
+        rec["summary"] = summary
+    self.tally = _Tally(t0=now)
+    return rec
+
+
+def _resume(self: _AsyncRun) -> None:
+    ckpt = load_resume(self.cfg, self.keys, self.state.model)
+    state = ckpt.strategy_state or {}
+    if "asynchronous" not in state:
+        raise ConfigError(explain("--resume", str(self.cfg.run.resume),
+                                  "holds a synchronous run's checkpoint",
+                                  "resume it with asynchronous.mode = 'off'"))
+    self.state.load_state_dict(state["asynchronous"])
+    self.run_id = bytes(state["run_id"])
+    self.records = list(ckpt.records)
+    for old in self.records:
+        if self.on_round is not None:
+            self.on_round(old)
+    now = self.state.now
+    replays: list[tuple[float, int, Any]] = []
+    for job in self.state.jobs.values():
+        if job.cohort < 0:
+            replays.append((job.dispatched_at, job.job, job))
+    for c in list(self.state.cohorts.values()):
+        for j in [j for j in self.state.jobs.values() if j.cohort == c.cohort]:
+            self.state.arrive(j.job)  # the protocol state is not checkpointed: re-key
+        self.state.cohorts[c.cohort] = dataclasses.replace(c, attempt=c.attempt + 1)
+        replays.append((c.started_at, -c.cohort, c.cohort))
+    for t, _, item in sorted(replays, key=lambda x: (x[0], x[1] if x[1] > 0 else 0)):
+        if isinstance(self.clock, VirtualClock):
+            self.clock.set(t)  # the same arrival times as before the crash
+        else:
+            self.clock.set(now)
+        if isinstance(item, Job):
+            if not isinstance(self.clock, VirtualClock):
+                item = dataclasses.replace(item, dispatched_at=now)
+                self.state.jobs[item.job] = item
+            self._send_job(item)
+        else:
+            self._send_cohort(int(item))
+    self.clock.set(now)
+    self.tally = _Tally(t0=self.records[-1].get("time", now) if self.records else now)
+    _log.info("resuming asynchronous run at version %d (%d dispatches sent again)",
+              self.state.version, len(self.flights))
+
+
+def _finish(self: _AsyncRun) -> None:
+    if self.out is not None:
+        write_metrics(self.out, self.records)
+        named: dict[str, Any] = dict(zip(self.keys, self.state.model, strict=True))
+        np.savez(self.out / "model.npz", **named)
+        from fedagg.task import set_weights as load_arrays
+
+        load_arrays(self.model, self.state.model)
+        path = self.out / "model.pt"
+        torch.save(self.model.state_dict(), path.with_suffix(".pt.tmp"))
+        path.with_suffix(".pt.tmp").replace(path)
+        write_plot(self.out, self.records, title=f"{self.cfg.run.name}: {self.mode} "
+                   f"({self.cfg.strategy.name}) on {self.cfg.data.dataset}")
+    if not any(r.get("model_updated") for r in self.records[1:]):
+        summaries = [r["summary"] for r in self.records[1:] if r.get("summary")]
+        raise RunFailed("no buffer of the asynchronous run changed the global model:\n  "
+                        + "\n  ".join(summaries[-10:] or ["(no update arrived)"]),
+                        self.records)
