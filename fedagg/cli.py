@@ -253,21 +253,20 @@ def _interrupted(run_dir: Path, progress: Any) -> NoReturn:
     there would run Flower's own teardown (``backend.terminate()`` -> ``ray.shutdown()``)
     while its engine threads are still inside Ray calls, and Ray then ends the process
     with status 1 ("the core worker has already been shutdown"). So the engine's processes
-    (remembered after every round and now) are stopped by PID, the hint is printed and the
-    process exits at once; a second Ctrl-C exits immediately. The checkpoint is written
+    (remembered after every round and now) get SIGTERM at once and a detached reaper
+    SIGKILLs what is left a second later (by PID and start time), the hint is printed and
+    the process exits (site pool workers exit with their parent and remove their pool's
+    directory); a second Ctrl-C exits immediately. The checkpoint is written
     atomically (a temporary file renamed), so exiting mid-round keeps the last one whole.
     """
     signal.signal(signal.SIGINT, lambda *_: os._exit(130))
-    _WATCH.snapshot()
     for name in ("flwr", "ray"):
         logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+    # fast, before anything can block: Ray's own threads end this process with status 1
+    # once its raylet is gone (the terminal's Ctrl-C reaches the raylet too)
+    _WATCH.stop_detached(timeout=1.0)
     with contextlib.suppress(Exception):  # the display must not keep us from stopping
         progress.close()
-    _WATCH.stop(timeout=3.0)
-    with contextlib.suppress(Exception):
-        from clients.pool_proc import sweep_stale_pools
-
-        sweep_stale_pools()  # the site worker pools' directories (their workers are gone)
     if (run_dir / "checkpoint.npz").is_file():
         print(f"\ninterrupted; resume with: fedagg simulate --resume {run_dir}", file=sys.stderr)
     else:

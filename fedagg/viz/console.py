@@ -299,3 +299,29 @@ class ProcessWatch:
         """:func:`stop_processes` over everything remembered plus the current descendants."""
         self.snapshot()
         return stop_processes(self.known, timeout=timeout)
+
+    def stop_detached(self, *, timeout: float = 1.0) -> None:
+        """SIGTERM everything remembered now; a detached process SIGKILLs what is left later.
+
+        For a process that must exit at once (``fedagg simulate`` on Ctrl-C: Ray may end
+        it with status 1 while it waits for its engine to go). The reaper runs in a session
+        of its own (a second Ctrl-C does not reach it) and checks each process's start
+        time, so an id reused meanwhile is never signalled.
+        """
+        import json
+        import subprocess
+
+        self.snapshot()
+        left = _alive(self.known)
+        for p in left:
+            with contextlib.suppress(OSError):
+                os.kill(p, signal.SIGTERM)
+        if not left:
+            return
+        code = ("import json, sys; from fedagg.viz.console import stop_processes; "
+                "stop_processes({int(k): v for k, v in json.loads(sys.argv[1]).items()}, "
+                f"timeout={float(timeout)!r})")
+        with contextlib.suppress(OSError):
+            subprocess.Popen([sys.executable, "-c", code, json.dumps(left)],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)

@@ -100,7 +100,7 @@ def test_quickstart_clientapp_with_flower_and_fedagg_strategies(tmp_path: Path) 
     res = json.loads(out.read_text())
     # 1. fedagg's FedAvg is Flower's FedAvg (same sites, same seeded training)
     assert res["fedavg_moved"] > 1e-3
-    assert res["fedavg_diff"] < 1e-6, res
+    assert res["fedavg_diff"] < 1e-5, res  # float32 summation order, amplified by round 2
     # 2. compressed updates from the stock app plus one mod: the model trains
     assert res["compressed_moved"] > 1e-3 and res["compressed_rejected"] == {}
     losses = res["compressed_train_loss"]
