@@ -58,10 +58,12 @@ def stock_server_app(out: Path) -> ServerApp:
             return strategy.start(grid=grid, initial_arrays=initial, num_rounds=rounds,
                                   train_config=ConfigRecord(dict(lr)), timeout=300)
 
-        # every site in every round, on both sides: with Flower's default
-        # min_available_nodes = 2 the first round may sample the two nodes that connected first
-        flower = start(FlowerFedAvg(fraction_evaluate=0.0, min_available_nodes=SITES), 2)
-        ours = start(FedAvg(fraction_evaluate=0.0, min_available_nodes=SITES), 2)
+        # every site in every round, on both sides: Flower sizes the sample before it waits
+        # (0 nodes connected -> min_train_nodes, default 2), so round 1 may sample the two
+        # nodes that connected first unless min_train_nodes is every site
+        every = {"min_available_nodes": SITES, "min_train_nodes": SITES}
+        flower = start(FlowerFedAvg(fraction_evaluate=0.0, **every), 2)
+        ours = start(FedAvg(fraction_evaluate=0.0, **every), 2)
         res["fedavg_diff"] = _max_diff(flower.arrays, ours.arrays)
         res["fedavg_moved"] = _max_diff(flower.arrays, initial)
 
@@ -74,7 +76,7 @@ def stock_server_app(out: Path) -> ServerApp:
                                   comp.evaluate_metrics_clientapp.items()}
         res["compressed_rejected"] = dict(compressed.last_rejected)
 
-        plain1 = start(FlowerFedAvg(fraction_evaluate=0.0, min_available_nodes=SITES), 1)
+        plain1 = start(FlowerFedAvg(fraction_evaluate=0.0, **every), 1)
         secure = SecureAggregation(FedAvg(fraction_evaluate=0.0))
         sec = start(secure, 1)
         res["secure_diff"] = _max_diff(plain1.arrays, sec.arrays)
