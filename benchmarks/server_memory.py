@@ -19,8 +19,11 @@ Methods: ``flower`` = ``flwr.serverapp.strategy.FedAvg().aggregate_train(1, repl
 lists the valid replies, then sums them in float32); ``streaming`` = fedagg's
 ``strategies.FedAvg().aggregate_train(1, replies)`` (per-reply checks, the round guards on
 with their defaults, each reply folded into one :class:`fedagg.accumulate.Accumulator` and
-dropped); ``sharded<S>`` = ``strategies.FedAvg(shards=S)``, the accumulator on ``S`` Ray
-actors (:class:`server.sharded.ShardedAccumulator`); ``replies`` = the harness alone
+dropped); ``streaming-noguards`` the same without the round guards
+(``max_weight_ratio = norm_outlier_factor = 0``: Flower's semantics, no delta norms, nothing
+kept aside for a correction); ``sharded<S>`` = ``strategies.FedAvg(shards=S)``, the
+accumulator on ``S`` Ray actors (:class:`server.sharded.ShardedAccumulator`); ``replies`` =
+the harness alone
 (replies built and dropped). Cases whose projected peak exceeds
 ``--budget-gib`` are skipped and listed (Flower's grows with N: ~N + 2 models).
 
@@ -143,14 +146,27 @@ def run_case(params: int, n: int, method: str) -> dict[str, object]:
 
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
                  object_store_memory=max(3 * model_bytes, 200 * 2**20))
-    if method == "streaming" or method.startswith("sharded"):
+    if method.startswith("streaming") or method.startswith("sharded"):
+        from flwr.supercore.task_identity import TaskIdentity
+
         from strategies.fedavg import FedAvg
 
-        strategy = FedAvg(min_available_nodes=1,
-                          shards=int(method[7:]) if method.startswith("sharded") else 0)
+        # Flower sets these when it starts a ServerApp; configure_train builds Messages
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+
+        bare = method.endswith("-noguards")  # Flower's semantics: no round guards
+        strategy = FedAvg(min_available_nodes=1, shards=int(method[7:].split("-")[0])
+                          if method.startswith("sharded") else 0,
+                          **({"max_weight_ratio": 0.0, "norm_outlier_factor": 0.0} if bare
+                             else {}))
     tiny = [(8, 64), (8,), (10, 8), (10,)]
-    aggregate(method, tiny, 2, [np.full(t, 0.01, np.float32) for t in tiny], strategy,
+    tiny_ref = [np.full(t, 0.01, np.float32) for t in tiny]
+    if strategy is not None:
+        configure(strategy, tiny_ref)
+    aggregate(method, tiny, 2, tiny_ref, strategy,
               [0.0])  # warm-up: lazy imports, first calls (and the Ray actors) before the baseline
+    if strategy is not None:  # the round's global model, as the ServerApp holds it: baseline
+        configure(strategy, reference)
     clock = [0.0]
     mem = PeakMemory()
     mem.start()
@@ -185,9 +201,6 @@ def aggregate(method: str, shapes: list[tuple[int, ...]], n: int,
     """Aggregate ``n`` replies with ``method`` (the measured part of a case)."""
     from flwr.serverapp.strategy import FedAvg
 
-    from strategies.wire import arrays_to_record
-
-    keys = [str(j) for j in range(len(shapes))]
     if method == "flower":
         result, _ = FedAvg().aggregate_train(1, replies(shapes, n, clock))
         assert result is not None
@@ -197,12 +210,20 @@ def aggregate(method: str, shapes: list[tuple[int, ...]], n: int,
         for msg in replies(shapes, n, clock):
             del msg
         return
-    from flwr.app import ConfigRecord
-
-    strategy.configure_train(1, arrays_to_record(reference, keys), ConfigRecord(), _Nodes())
-    record, _ = strategy.aggregate_train(1, replies(shapes, n, clock))
+    record, _ = strategy.aggregate_train(1, replies(shapes, n, clock))  # configured by run_case
     assert record is not None and not strategy.last_rejected, strategy.last_rejected
     del record
+
+
+def configure(strategy, reference: list[np.ndarray]) -> None:  # type: ignore[no-untyped-def]
+    """``configure_train`` of round 1 with ``reference`` as the global model (the strategy
+    keeps read-only views on the record, which the ServerApp holds anyway)."""
+    from flwr.app import ConfigRecord
+
+    from strategies.wire import arrays_to_record
+
+    keys = [str(j) for j in range(len(reference))]
+    strategy.configure_train(1, arrays_to_record(reference, keys), ConfigRecord(), _Nodes())
 
 
 class _Nodes:
@@ -220,21 +241,44 @@ def projected_gib(params: int, n: int, method: str) -> float:
     return 5 * model
 
 
+def median_of(runs: list[dict[str, object]]) -> dict[str, object]:
+    """One row of the table: the median of every measured number over a case's runs (the
+    first run's other fields); a case with a failed or skipped run shows that run."""
+    bad = [r for r in runs if "skipped" in r]
+    if bad or not runs:
+        return bad[0] if bad else {}
+    out = dict(runs[0])
+    for key, value in runs[0].items():
+        if isinstance(value, int | float) and not isinstance(value, bool) and key not in (
+                "params", "sites", "model_bytes", "repeat"):
+            out[key] = float(np.median([float(r[key]) for r in runs  # type: ignore[arg-type]
+                                        if isinstance(r.get(key), int | float)]))
+    out["repeats"] = len(runs)
+    out.pop("repeat", None)
+    return out
+
+
 def table(results: list[dict[str, object]]) -> str:
     rows = ["| params | N | method | server peak above baseline (models) | of which private "
-            "/ object store (sampled) | fold GB/s | per actor: accumulator / peak above start "
-            "(models) | seconds |", "|---|---|---|---|---|---|---|---|"]
+            "/ object store (sampled) | fold GB/s | x Flower's GB/s | per actor: accumulator / "
+            "peak above start (models) | seconds |", "|---|---|---|---|---|---|---|---|---|"]
+    flower = {(r["params"], r["sites"]): r.get("fold_gbps") for r in results
+              if r.get("method") == "flower" and "skipped" not in r}
     for r in results:
         if "skipped" in r:
             rows.append(f"| {r['params']:,} | {r['sites']} | {r['method']} | skipped: "
-                        f"{r['skipped']} | | | | |")
+                        f"{r['skipped']} | | | | | |")
             continue
         gbps = f"{r['fold_gbps']:.2f}" if r.get("fold_gbps") else "-"
         actor = (f"{r['actor_accumulator_models']:.2f} / {r['actor_peak_models']:.2f}"
                  if "actor_peak_models" in r else "-")
+        ref = flower.get((r["params"], r["sites"]))
+        ratio = (f"{r['fold_gbps'] / ref:.2f}" if r.get("fold_gbps") and ref  # type: ignore[operator]
+                 else "-")
         rows.append(f"| {r['params']:,} | {r['sites']} | {r['method']} | "
                     f"{r['peak_models']:.2f} | {r['anon_peak_models']:.2f} / "
-                    f"{r['shmem_peak_models']:.2f} | {gbps} | {actor} | {r['seconds']:.1f} |")
+                    f"{r['shmem_peak_models']:.2f} | {gbps} | {ratio} | {actor} | "
+                    f"{r['seconds']:.1f} |")
     return "\n".join(rows)
 
 
@@ -243,40 +287,48 @@ def main() -> None:
     p.add_argument("--params", type=float, nargs="+", default=[1e7, 1e8])
     p.add_argument("--sites", type=int, nargs="+", default=[4, 16, 64])
     p.add_argument("--methods", nargs="+",
-                   default=["replies", "flower", "streaming", "sharded2", "sharded4"])
+                   default=["replies", "flower", "streaming-noguards", "streaming", "sharded2",
+                            "sharded4"])
     p.add_argument("--budget-gib", type=float, default=12.0,
                    help="skip cases projected above this peak (the machine is shared)")
-    p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of every case, interleaved; the table shows medians")
+    p.add_argument("--json", type=Path, help="also write the results (every run) here")
     p.add_argument("--case", nargs=3, metavar=("PARAMS", "N", "METHOD"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.case:
         print(json.dumps(run_case(int(float(a.case[0])), int(a.case[1]), a.case[2])))
         return
-    results: list[dict[str, object]] = []
-    for params in (int(x) for x in a.params):
-        for n in a.sites:
-            for method in a.methods:
-                need = projected_gib(params, n, method)
-                if need > a.budget_gib:
-                    results.append({"params": params, "sites": n, "method": method,
-                                    "skipped": f"projected {need:.1f} GiB > --budget-gib "
-                                               f"{a.budget_gib:g}"})
-                    print(json.dumps(results[-1]), flush=True)
-                    continue
-                proc = subprocess.run([sys.executable, __file__, "--case", str(params), str(n),
-                                       method], capture_output=True, text=True,
-                                      env={**os.environ, "RAY_DEDUP_LOGS": "0"}, check=False)
-                line = [x for x in proc.stdout.splitlines() if x.startswith("{")]
-                if proc.returncode or not line:
-                    results.append({"params": params, "sites": n, "method": method,
-                                    "skipped": f"failed (exit {proc.returncode}): "
-                                               f"{proc.stderr.strip().splitlines()[-1:]}"})
-                else:
-                    results.append(json.loads(line[-1]))
-                print(json.dumps(results[-1]), flush=True)
+    cases = [(int(x), n, m) for x in a.params for n in a.sites for m in a.methods]
+    runs: dict[tuple[int, int, str], list[dict[str, object]]] = {c: [] for c in cases}
+    for rep in range(a.repeats):  # interleaved: every case once per repeat
+        for params, n, method in cases:
+            need = projected_gib(params, n, method)
+            if need > a.budget_gib:
+                if rep == 0:
+                    runs[(params, n, method)].append(
+                        {"params": params, "sites": n, "method": method,
+                         "skipped": f"projected {need:.1f} GiB > --budget-gib {a.budget_gib:g}"})
+                continue
+            proc = subprocess.run([sys.executable, __file__, "--case", str(params), str(n),
+                                   method], capture_output=True, text=True,
+                                  env={**os.environ, "RAY_DEDUP_LOGS": "0"}, check=False)
+            line = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+            if proc.returncode or not line:
+                out: dict[str, object] = {
+                    "params": params, "sites": n, "method": method,
+                    "skipped": f"failed (exit {proc.returncode}): "
+                               f"{proc.stderr.strip().splitlines()[-1:]}"}
+            else:
+                out = json.loads(line[-1])
+            out["repeat"] = rep
+            runs[(params, n, method)].append(out)
+            print(json.dumps(out), flush=True)
+    results = [median_of(runs[c]) for c in cases]
     print(table(results))
     if a.json:
-        a.json.write_text(json.dumps(results, indent=2))
+        a.json.write_text(json.dumps({"medians": results, "runs": [r for c in cases
+                                                                   for r in runs[c]]}, indent=2))
 
 
 if __name__ == "__main__":

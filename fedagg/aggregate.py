@@ -160,6 +160,14 @@ def cast_update(
     return out
 
 
+def _all_finite(u: npt.NDArray[np.generic]) -> bool:
+    """Whether every element is finite: a finite sum says so (a NaN or Inf makes the sum
+    non-finite); the sum in the array's own dtype is the fast path, one in float64 decides
+    when that overflowed (no overflow below ~1e308 in total)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return bool(np.isfinite(np.sum(u))) or bool(np.isfinite(np.sum(u, dtype=np.float64)))
+
+
 def check_update(
     update: Sequence[npt.NDArray[np.generic]],
     reference: Sequence[npt.NDArray[np.generic]],
@@ -213,8 +221,7 @@ def check_update(
                     "send the dtype the server sent",
                 )
             )
-        # a float64 sum is finite iff every element is (no overflow below ~1e308 in total)
-        if np.issubdtype(u.dtype, np.floating) and not np.isfinite(np.sum(u, dtype=np.float64)):
+        if np.issubdtype(u.dtype, np.floating) and not _all_finite(u):
             bad = int(np.size(u) - np.count_nonzero(np.isfinite(u)))
             raise UpdateRejected(
                 explain(

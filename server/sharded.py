@@ -30,7 +30,7 @@ import numpy.typing as npt
 import ray
 from flwr.app import ArrayRecord
 
-from fedagg.accumulate import Accumulator, ShardPlan, TensorUpdate
+from fedagg.accumulate import Accumulator, ShardPlan, Sparse, TensorUpdate, delta_norm
 from fedagg.errors import ConfigError, FedaggError, UpdateRejected, explain
 
 __all__ = ["ShardActor", "ShardedAccumulator", "ensure_ray"]
@@ -178,10 +178,16 @@ class ShardedAccumulator:
                                          for k, a in enumerate(self._actors)])
         self._weight, self._count = Fraction(0), 0
 
-    def fold(self, update: Sequence[TensorUpdate], weight: float) -> None:
+    fuses_norm = True
+    """:meth:`fold` can return the delta norm, computed here while the shards fold."""
+
+    def fold(self, update: Sequence[TensorUpdate], weight: float, *, norm: bool = False,
+             reference: Sequence[npt.NDArray[Any]] | None = None) -> float | None:
         """Fold one reply: its pieces go to the shards through Ray's object store.
 
-        Returns once every shard has folded its pieces (the object store then frees them).
+        Returns once every shard has folded its pieces (the object store then frees them);
+        with ``norm`` the reply's ``delta_norm(update, reference)``, computed in this process
+        while the shards fold.
 
         Raises
         ------
@@ -194,8 +200,12 @@ class ShardedAccumulator:
         if not (np.isfinite(w) and w != 0.0):
             raise ConfigError(explain("weight", weight, "must be a finite non-zero number",
                                       "pass the site's number of examples"))
+        if norm and reference is not None and any(isinstance(u, Sparse) for u in update):
+            raise ConfigError(explain("update", "sparse tensors", "a sparse tensor is a delta: "
+                                      "pass no reference", "compute the norm of the delta"))
         refs = [ray.put(self.plan.split(update, k)) for k in range(self.shards)]
         futures = [a.fold.remote(r, w) for a, r in zip(self._actors, refs, strict=True)]
+        size = delta_norm(update, reference) if norm else None  # overlaps the shards' folds
         errors: dict[int, Exception] = {}
         for k, f in enumerate(futures):
             try:
@@ -212,6 +222,7 @@ class ShardedAccumulator:
         del refs, futures
         self._weight += Fraction(w)
         self._count += 1 if w > 0 else -1
+        return size
 
     def mean(self) -> list[npt.NDArray[Any]]:
         """The weighted mean, whole tensors (gathered one shard at a time).

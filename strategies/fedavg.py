@@ -205,7 +205,8 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         """Sample sites and send them the global model and the round config."""
-        self._global = record_to_arrays(arrays)
+        # read-only views on the record the caller holds anyway: no second copy of the model
+        self._global = record_to_arrays(arrays, copy=False)
         if self.fraction_train == 0.0:
             return []
         config["server-round"] = server_round

@@ -22,7 +22,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 from flwr.app import Message
@@ -53,7 +53,7 @@ Check = Callable[[Message], tuple[Sequence[TensorUpdate], float, dict[str, Any]]
 class Folder(Protocol):
     """What :func:`fold_replies` needs of an accumulator (plain or sharded)."""
 
-    def fold(self, update: Sequence[TensorUpdate], weight: float) -> None: ...
+    def fold(self, update: Sequence[TensorUpdate], weight: float) -> float | None: ...
 
     def mean(self) -> list[np.ndarray]: ...
 
@@ -164,8 +164,13 @@ def fold_replies(replies: Iterable[Message], accumulator: Folder, check: Check, 
         tensors: Sequence[TensorUpdate] = ()
         try:
             tensors, weight, metrics = check(reply)
-            norm = delta_norm(tensors, reference) if norms else float("nan")
-            accumulator.fold(tensors, weight)
+            if norms and getattr(accumulator, "fuses_norm", False):  # one read of the update
+                got = cast(Any, accumulator).fold(tensors, weight, norm=True,
+                                                  reference=reference)
+                norm = float("nan") if got is None else got
+            else:
+                norm = delta_norm(tensors, reference) if norms else float("nan")
+                accumulator.fold(tensors, weight)
         except UpdateRejected as exc:
             out.rejected[str(node)] = str(exc)
             _log.warning("rejected update: %s", exc)
@@ -255,14 +260,17 @@ class StreamRound:
         if node in self.stats.sites:
             self._reject(node, f"node {node}: a second update in the same round")
             return
-        try:
-            norm = (delta_norm(tensors, None if self.deltas else self.current)
-                    if self._needs_norms else float("nan"))
-        except ConfigError as exc:
-            self._reject(node, str(exc))
-            return
-        try:
-            self.acc.fold(tensors, float(w))
+        reference = None if self.deltas else self.current
+        fused = self._needs_norms and getattr(self.acc, "fuses_norm", False)
+        try:  # the norm from the fold's own pass where the accumulator can (one read)
+            norm = (delta_norm(tensors, reference) if self._needs_norms and not fused
+                    else float("nan"))
+            if fused:
+                got = cast(Any, self.acc).fold(tensors, float(w), norm=True,
+                                               reference=reference)
+                norm = float("nan") if got is None else got
+            else:
+                self.acc.fold(tensors, float(w))
         except ConfigError as exc:
             self._reject(node, str(exc))
             return
@@ -271,6 +279,8 @@ class StreamRound:
                 self._reject(node, str(exc))
                 return
             # the norm guard may still name it (an outlier norm is the better reason)
+            if fused:
+                norm = delta_norm(tensors, reference)
             self.unfolded[node] = str(exc)
             self.stats.add(node, float(w), norm)
             return

@@ -60,6 +60,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from fedagg.accumulate import exact_results, native
+from fedagg.accumulate.exact_results import _LIMB
 from fedagg.accumulate.exact_state import dump_state, load_state
 from fedagg.accumulate.grid import (
     BLOCK,
@@ -83,8 +85,6 @@ __all__ = [
     "max_abs",
 ]
 
-_LIMB = 31
-"""A carry moves ``lo >> 31`` into the high limb, leaving ``0 <= lo < 2**31``."""
 _LO_MAX = 1 << 62
 """Partial sums of the low limb stay below this (int64 holds up to ``2**63 - 1``)."""
 _Q_MAX = float(1 << 92)
@@ -144,6 +144,7 @@ class Accumulator:
         self._count = 0
         self._fbuf = np.empty(0, np.float64)
         self._ibuf = np.empty(0, np.int64)
+        self._native_off = False  # True: the NumPy path only (tests, the kernel's self-check)
 
     @classmethod
     def for_model(cls, reference: Sequence[npt.NDArray[Any]], *,
@@ -185,7 +186,11 @@ class Accumulator:
         return [math.ldexp(n, s.exponent - 1) / w if w > 0 else math.inf for s in self.specs]
 
     # -- folding -----------------------------------------------------------------------------
-    def fold(self, update: Sequence[TensorUpdate], weight: float) -> None:
+    fuses_norm = True
+    """:meth:`fold` can return the update's delta norm from the same pass (``norm=True``)."""
+
+    def fold(self, update: Sequence[TensorUpdate], weight: float, *, norm: bool = False,
+             reference: Sequence[npt.NDArray[Any]] | None = None) -> float | None:
         """Add ``weight * update`` to the running sum; nothing of ``update`` is kept.
 
         Parameters
@@ -196,6 +201,14 @@ class Accumulator:
         weight : float
             The site's weight (number of examples); a negative weight removes an earlier fold
             of the same update exactly.
+        norm, reference : bool, sequence of ndarray
+            With ``norm``, also return ``delta_norm(update, reference)``
+            (:func:`fedagg.accumulate.delta_norm`, up to its last bits), read in the same pass.
+
+        Returns
+        -------
+        float or None
+            The norm with ``norm=True``, else None.
 
         Raises
         ------
@@ -213,9 +226,15 @@ class Accumulator:
                                       "fold updates of the accumulator's model"))
         for j, (u, s) in enumerate(zip(update, self.specs, strict=True)):
             self._check_shape(j, u, s)
+            if norm and reference is not None and isinstance(u, Sparse):
+                raise ConfigError(explain(f"update[{j}]", "sparse", "a sparse tensor is a delta:"
+                                          " pass no reference", "compute the norm of the delta"))
+        total = 0.0
         for j, u in enumerate(update):
+            mode = 0 if not norm else 1 if reference is None or isinstance(u, Sparse) else 2
             try:
-                self._fold_tensor(j, u, w)
+                total += self._fold_tensor(j, u, w, None if mode < 2 else np.asarray(
+                    reference[j]).reshape(-1), mode)  # type: ignore[index]
             except UpdateRejected:
                 for k in range(j):  # a refused update leaves no trace: q(-w) = -q(w) exactly
                     u_k = update[k]
@@ -227,6 +246,7 @@ class Accumulator:
         self._weight += Fraction(w)
         self._count += 1 if w > 0 else -1
         self._folds_abs += 1
+        return (math.sqrt(total) if total >= 0 else math.nan) if norm else None
 
     def merge(self, other: Accumulator) -> None:
         """Add another accumulator's sums and weights (exact: disjoint sites, any split)."""
@@ -326,15 +346,23 @@ class Accumulator:
         lo[sl] += ib
         self._bound[j] += 1 << _LIMB
 
-    def _fold_tensor(self, j: int, u: TensorUpdate, w: float) -> None:
-        """Fold tensor ``j`` block by block; a refused block undoes the blocks before it."""
+    def _fold_tensor(self, j: int, u: TensorUpdate, w: float,
+                     ref: npt.NDArray[Any] | None = None, norm: int = 0) -> float:
+        """Fold tensor ``j`` block by block (the native kernel where it applies); a refused
+        block undoes the blocks before it. Returns the sum of squares of ``x`` (``norm`` 1) or
+        ``x - ref`` (2)."""
         c = self._scale(j, w)
         if isinstance(u, Sparse):
             idx: npt.NDArray[np.int64] | None = np.asarray(u.indices, np.int64)
             x = np.asarray(u.values).reshape(-1)
         else:
             idx, x = None, np.asarray(u).reshape(-1)
-        for s in range(0, x.size, self.block):
+        ss, s = 0.0, 0
+        while s < x.size:
+            s, part = self._native(j, x, idx, c, s, ref, norm)
+            ss += part
+            if s >= x.size:
+                break
             xb = x[s:s + self.block]
             f, ib = self._buffers(xb.size)
             try:  # a refusal is raised before block s changes anything
@@ -344,18 +372,46 @@ class Accumulator:
             except UpdateRejected:
                 self._fold_blocks(j, x, idx, -c, s)
                 raise
+            if norm:
+                d = (xb.astype(np.float64) if norm == 1 or ref is None
+                     else np.subtract(xb, ref[s:s + xb.size], dtype=np.float64))
+                ss += float(np.dot(d, d))
+            s += xb.size
+        return ss
+
+    def _native(self, j: int, x: npt.NDArray[Any], idx: npt.NDArray[np.int64] | None,
+                c: float, s: int, ref: npt.NDArray[Any] | None = None, norm: int = 0
+                ) -> tuple[int, float]:
+        """Fold ``x[s:]`` with the native kernel up to the first block it hands back."""
+        if idx is not None or self._native_off:
+            return s, 0.0
+        lo, got = self._lo[j][:x.size], None  # no block buffers: the kernel needs none
+        if s == 0 and x.size >= native.PARALLEL_MIN and native.threads() > 1:
+            got = native.fold_f32_parallel(x, lo, c, self._bound[j], self.block, _LO_MAX, ref,
+                                           norm, native.threads())
+        if got is None:
+            got = native.fold_f32(x, s, lo, c, self._bound[j], self.block, _LO_MAX, ref, norm)
+        if got is None:
+            return s, 0.0
+        s, self._bound[j], part = got
+        return s, part
 
     def _fold_blocks(self, j: int, x: npt.NDArray[Any], idx: npt.NDArray[np.int64] | None,
                      c: float, stop: int) -> None:
         """Fold the blocks of ``x`` before ``stop`` with scale ``c`` (the undo of a refusal)."""
         self._undoing = True  # the same magnitudes again: no range check can refuse them
         try:
-            for s in range(0, stop, self.block):
+            s = 0
+            while s < stop:
+                s = self._native(j, x[:stop], idx, c, s)[0]
+                if s >= stop:
+                    break
                 xb = x[s:s + self.block]
                 f, ib = self._buffers(xb.size)
                 m = self._quantize(j, xb, c, f)
                 self._add(j, f, ib, m, slice(s, s + xb.size) if idx is None
                           else idx[s:s + self.block])
+                s += xb.size
         finally:
             self._undoing = False
 
@@ -393,63 +449,10 @@ class Accumulator:
             np.subtract(view, carry, out=view)
         self._bound[j] = (1 << _LIMB) - 1
 
-    # -- results -----------------------------------------------------------------------------
-    def _sum_f64(self, j: int, out: npt.NDArray[np.float64], s: int) -> None:
-        """The exact sum of tensor j's block at ``s``, rounded to float64 (canonical)."""
-        lo = self._lo[j][s:s + out.size]
-        hi = self._hi[j]
-        if hi is None:
-            out[...] = lo  # one int64: the exact value, rounded once
-        else:
-            np.multiply(hi[s:s + out.size], float(1 << _LIMB), out=out, dtype=np.float64,
-                        casting="unsafe")
-            out += lo  # canonical (0 <= lo < 2**31): one rounding while |hi| < 2**53
-        out *= math.ldexp(1.0, self.specs[j].exponent)
-
-    def sums(self) -> list[npt.NDArray[np.float64]]:
-        """The weighted sums ``sum_i w_i x_i`` per tensor, in float64 (full-size arrays)."""
-        out = []
-        for j, spec in enumerate(self.specs):
-            if self._hi[j] is not None:
-                self._normalize(j, force=True)
-            a = np.empty(spec.size, np.float64)
-            for s in range(0, spec.size, self.block):
-                self._sum_f64(j, a[s:s + self.block], s)
-            out.append(a.reshape(spec.shape))
-        return out
-
-    def mean(self) -> list[npt.NDArray[Any]]:
-        """The weighted mean ``sum_i w_i x_i / sum_i w_i`` per tensor, in each spec's dtype.
-
-        Only the output arrays are allocated (plus one block of float64).
-
-        Raises
-        ------
-        ConfigError
-            Nothing was folded, or the weights do not sum to a positive number.
-        """
-        if self._weight <= 0:
-            raise ConfigError(explain("weights", float(self._weight),
-                                      "must sum to a positive number", "fold at least one update"))
-        total = float(self._weight)
-        out = []
-        for j, spec in enumerate(self.specs):
-            if self._hi[j] is not None:
-                self._normalize(j, force=True)
-            dt = np.dtype(spec.dtype)
-            res = np.empty(spec.size, dt)
-            f, _ = self._buffers(min(spec.size, self.block))
-            for s in range(0, spec.size, self.block):
-                n = min(self.block, spec.size - s)
-                fb = f[:n]
-                self._sum_f64(j, fb, s)
-                fb /= total
-                with np.errstate(over="ignore", invalid="ignore"):
-                    if np.issubdtype(dt, np.integer):
-                        np.trunc(fb, out=fb)
-                    res[s:s + n] = fb  # inf from a float overflow is caught by model checks
-            out.append(res.reshape(spec.shape))
-        return out
+    # -- results (fedagg.accumulate.exact_results) ------------------------------------------
+    _sum_f64 = exact_results.sum_f64
+    sums = exact_results.sums
+    mean = exact_results.mean
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -92,13 +92,24 @@ class WeightBuckets:
                 return math.inf
         return total
 
-    def fold(self, update: Sequence[TensorUpdate], weight: float) -> None:
-        """Fold ``weight * update`` into its weight's bucket (see the module docstring)."""
+    @property
+    def fuses_norm(self) -> bool:
+        """Whether :meth:`fold` can return the delta norm from its own pass (in-process
+        accumulators; not the Ray shards)."""
+        return bool(getattr(self.first, "fuses_norm", False))
+
+    def fold(self, update: Sequence[TensorUpdate], weight: float, **norm: Any) -> float | None:
+        """Fold ``weight * update`` into its weight's bucket (see the module docstring);
+        ``norm=True, reference=...`` also returns the delta norm (:attr:`fuses_norm`)."""
         b = _bucket(weight)
         acc = self._buckets.get(b)
         if acc is None:
             acc = self._buckets[b] = self._make()
-        acc.fold(update, math.ldexp(float(weight), -BUCKET_BITS * b))
+        scaled = math.ldexp(float(weight), -BUCKET_BITS * b)
+        if norm:
+            return acc.fold(update, scaled, **norm)  # type: ignore[func-returns-value]
+        acc.fold(update, scaled)
+        return None
 
     def mean(self) -> list[npt.NDArray[Any]]:
         """The weighted mean (bucket 0's own when it is the only bucket)."""

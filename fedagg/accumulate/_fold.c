@@ -1,0 +1,145 @@
+/* The streaming accumulator's dense float32 fold, one pass per block (fedagg/accumulate/native.py).
+ *
+ * Bit-identical to the NumPy path of fedagg.accumulate.exact.Accumulator._fold_tensor:
+ * per element q = rint(x * c) in float64 (round half to even), acc += q in int64; per block of
+ * `block` elements the block's max |q| is added to the bound exactly as the Python code does,
+ * and a block that the Python code would treat differently (a non-finite value, |q| >= 2**62,
+ * bound + max |q| >= 2**62: carries or a refusal) is left untouched and handed back.
+ *
+ * rint: for |v| < 2**51, v + 1.5 * 2**52 lies in [2**52, 2**53) where the spacing of doubles is
+ * 1, so the addition rounds v to an integer with ties to even (the default rounding mode), and
+ * the integer is the difference of the bit patterns. That keeps the loop free of a
+ * float-to-int conversion (not vectorisable on x86-64 without AVX-512). Blocks with larger
+ * values take a careful pass with nearbyint().
+ *
+ * The block is added optimistically in one pass (read x, read-add-write acc) and subtracted
+ * again, bit for bit (modular uint64 arithmetic), in the rare case that it has to go back.
+ * With `ref` the same pass also sums (x - ref)**2 in float64 (the delta's squared L2 norm;
+ * four partial sums, so its last bits may differ from NumPy's np.dot).
+ *
+ * No buffers: nothing but x, ref and acc is touched.
+ *
+ * Build: cc -O3 -fno-math-errno -shared -fPIC (never -ffast-math: the rounding must be IEEE).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAGIC 6755399441055744.0 /* 1.5 * 2**52 */
+#define SMALL 2251799813685248.0 /* 2**51 */
+#define LANES 4
+
+static inline uint64_t bits(double d) {
+    uint64_t u;
+    memcpy(&u, &d, sizeof u);
+    return u;
+}
+
+/* rint(v) as an integer for |v| < 2**51, else 0 (the block then takes the careful pass) */
+static inline uint64_t qbits(double v, uint64_t mb) {
+    double vs = fabs(v) < SMALL ? v : 0.0;
+    return bits(vs + MAGIC) - mb;
+}
+
+/* 0: folded, max |v| < 2**51; 1: folded only the small values (undo, careful pass);
+ * 2: a NaN (undo, hand back). */
+static int block_fast(const float *x, const float *r, int norm, uint64_t *lo, int64_t k,
+                      double c, double *m_out, double *ss_out) {
+    const uint64_t mb = bits(MAGIC);
+    double m[LANES] = {0}, ss[LANES] = {0};
+    uint64_t nan[LANES] = {0};
+    int64_t i = 0, kk = k - k % LANES;
+    for (; i < kk; i += LANES) {
+        for (int l = 0; l < LANES; l++) {
+            double v = (double)x[i + l] * c, a = fabs(v);
+            nan[l] |= (uint64_t)(a != a);
+            m[l] = a > m[l] ? a : m[l];
+            lo[i + l] += qbits(v, mb);
+            if (norm) {
+                double d = r ? (double)x[i + l] - (double)r[i + l] : (double)x[i + l];
+                ss[l] += d * d;
+            }
+        }
+    }
+    for (; i < k; i++) {
+        double v = (double)x[i] * c, a = fabs(v);
+        nan[0] |= (uint64_t)(a != a);
+        m[0] = a > m[0] ? a : m[0];
+        lo[i] += qbits(v, mb);
+        if (norm) {
+            double d = r ? (double)x[i] - (double)r[i] : (double)x[i];
+            ss[0] += d * d;
+        }
+    }
+    double mm = m[0], s = 0.0;
+    uint64_t nn = 0;
+    for (int l = 0; l < LANES; l++) {
+        mm = m[l] > mm ? m[l] : mm;
+        nn |= nan[l];
+        s += ss[l];
+    }
+    *m_out = mm;
+    *ss_out = s;
+    if (nn) return 2;
+    return mm < SMALL ? 0 : 1;
+}
+
+/* Fold x[start:n] * c into lo block by block; returns the start of the first block it left
+ * to the caller (n when all were folded). *bound and *sumsq are updated for the folded blocks.
+ * norm: 0 no norm, 1 sum of x**2 (ref ignored), 2 sum of (x - ref)**2. */
+int64_t fedagg_fold_f32(const float *x, int64_t n, int64_t start, int64_t *lo_, double c,
+                        int64_t *bound, int64_t block, int64_t lo_max,
+                        const float *ref, int norm, double *sumsq) {
+    uint64_t *lo = (uint64_t *)lo_;
+    const uint64_t mb = bits(MAGIC);
+    int64_t s = start, b = *bound;
+    double tot = *sumsq;
+    const float *r = norm == 2 ? ref : 0;
+    while (s < n) {
+        int64_t e = (n - s > block) ? s + block : n, k = e - s;
+        double m, ss;
+        int st = block_fast(x + s, r ? r + s : 0, norm, lo + s, k, c, &m, &ss);
+        if (st == 0) {
+            int64_t mi = (int64_t)((m + MAGIC) - MAGIC); /* max |rint(v)| = rint(max |v|) */
+            if (mi < lo_max - b) {
+                b += mi;
+                tot += ss;
+                s = e;
+                continue;
+            }
+        }
+        for (int64_t i = 0; i < k; i++) lo[s + i] -= qbits((double)x[s + i] * c, mb);
+        if (st != 1) break;
+        double mm = 0.0; /* careful pass: check first, then add (rint computed twice) */
+        for (int64_t i = 0; i < k; i++) {
+            double a = fabs(nearbyint((double)x[s + i] * c));
+            mm = a > mm ? a : mm;
+        }
+        if (!(mm < (double)lo_max) || (int64_t)mm >= lo_max - b) break;
+        for (int64_t i = 0; i < k; i++) lo[s + i] += (uint64_t)(int64_t)nearbyint((double)x[s + i] * c);
+        b += (int64_t)mm;
+        tot += ss;
+        s = e;
+    }
+    *bound = b;
+    *sumsq = tot;
+    return s;
+}
+
+/* sum of (x - ref)**2 (ref NULL: of x**2) in float64, four partial sums: the delta norm of a
+ * reply whose fold runs elsewhere (sharded rounds) or is not fused. */
+double fedagg_sumsq_f32(const float *x, const float *r, int64_t n) {
+    double ss[LANES] = {0};
+    int64_t i = 0, nn = n - n % LANES;
+    for (; i < nn; i += LANES) {
+        for (int l = 0; l < LANES; l++) {
+            double d = r ? (double)x[i + l] - (double)r[i + l] : (double)x[i + l];
+            ss[l] += d * d;
+        }
+    }
+    for (; i < n; i++) {
+        double d = r ? (double)x[i] - (double)r[i] : (double)x[i];
+        ss[0] += d * d;
+    }
+    return (ss[0] + ss[1]) + (ss[2] + ss[3]);
+}

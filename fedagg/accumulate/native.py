@@ -1,0 +1,247 @@
+"""The accumulator's native fold kernel: one pass per block, bit-identical to the NumPy path.
+
+A fold of a dense float32 tensor on the NumPy path (:meth:`fedagg.accumulate.Accumulator.fold`)
+takes six passes over each block: scale to float64, round, min, max, cast to int64, add; the
+round guards' delta norm (:func:`fedagg.accumulate.delta_norm`) reads the update once more.
+``_fold.c`` does all of it in one pass (read ``x`` and the reference, read-add-write the
+accumulator), ~3x faster on a 2-core VM (docs/benchmarks.md, "Server memory"). It computes
+the same integers bit for bit — its rounding argument is in the C file's header — and the
+same per-block bounds, and it hands any block the NumPy code treats specially (a non-finite
+value, carries into the high limb, a refusal) back to that code, untouched. Only the delta
+norm may differ in its last bits (another summation order).
+
+The kernel is compiled on first use with the system's C compiler (``$CC``, else Python's
+``CC``, else ``cc``; ~0.3 s) into ``$FEDAGG_CACHE_DIR`` (default ``$XDG_CACHE_HOME/fedagg``,
+``~/.cache/fedagg``), checked against the NumPy path on a small update, and loaded with
+:mod:`ctypes` (the GIL is released during a call). Without a compiler, or with
+``FEDAGG_NATIVE=0``, every fold takes the NumPy path (same results, slower); the reason is
+logged once at INFO.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import itertools
+import logging
+import os
+import platform
+import shlex
+import subprocess
+import sysconfig
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["ENV", "PARALLEL_MIN", "THREADS_ENV", "available", "fold_f32", "fold_f32_parallel",
+           "sumsq_f32", "threads"]
+
+_log = logging.getLogger(__name__)
+
+ENV = "FEDAGG_NATIVE"
+"""``0`` / ``off``: never use the native kernel (default: use it when it builds)."""
+
+THREADS_ENV = "FEDAGG_FOLD_THREADS"
+"""Threads of one tensor's fold (default: the CPUs, at most 4; ``1``: serial)."""
+
+PARALLEL_MIN = 1 << 20
+"""Tensors of at least this many elements are folded in :func:`threads` threads."""
+
+_SOURCE = Path(__file__).with_name("_fold.c")
+_FLAGS = ["-O3", "-fno-math-errno", "-shared", "-fPIC"]
+_lock = threading.RLock()  # the self-check folds through this module
+_state: dict[str, Any] = {}
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+def _disabled() -> bool:
+    return os.environ.get(ENV, "").strip().lower() in ("0", "off", "false", "no")
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("FEDAGG_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "fedagg")
+    return Path(root)
+
+
+def _compiler() -> list[str]:
+    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    return shlex.split(str(cc))[:1] or ["cc"]
+
+
+def _build() -> tuple[ctypes.CDLL | None, str]:
+    source = _SOURCE.read_bytes()
+    cc = _compiler()
+    tag = hashlib.sha256(source + " ".join(cc + _FLAGS).encode()).hexdigest()[:16]
+    name = f"fold-{tag}-{platform.machine()}.so"
+    why = "no cache directory"
+    for where in (_cache_dir(), Path(tempfile.gettempdir()) / f"fedagg-{os.getuid()}"):
+        target = where / name
+        try:
+            if not target.exists():
+                where.mkdir(parents=True, exist_ok=True, mode=0o700)
+                fd, tmp = tempfile.mkstemp(dir=where, suffix=".so")
+                os.close(fd)
+                try:
+                    subprocess.run([*cc, *_FLAGS, "-o", tmp, str(_SOURCE)], check=True,
+                                   capture_output=True, timeout=120)
+                    os.replace(tmp, target)  # atomic: concurrent builders race harmlessly
+                finally:
+                    if os.path.exists(tmp):
+                        os.unlink(tmp)
+            lib = ctypes.CDLL(str(target))
+        except (OSError, subprocess.SubprocessError) as exc:
+            err = getattr(exc, "stderr", b"") or b""
+            why = f"{type(exc).__name__}: {exc} {err.decode(errors='replace')[-300:]}".strip()
+            continue
+        fn = lib.fedagg_fold_f32
+        fn.restype = _I
+        fn.argtypes = [_P, _I, _I, _P, ctypes.c_double, _P, _I, _I, _P, ctypes.c_int, _P]
+        sq = lib.fedagg_sumsq_f32
+        sq.restype = ctypes.c_double
+        sq.argtypes = [_P, _P, _I]
+        return lib, ""
+    return None, why
+
+
+def _self_check() -> str:
+    """'' if the kernel folds a tricky update exactly like the NumPy path, else the reason."""
+    from fedagg.accumulate.exact import Accumulator, TensorSpec
+
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=5000) * 3).astype(np.float32)
+    x[:8] = [0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 0.0, -0.0]  # ties to even
+    x[8:12] = np.float32(2.0 ** 60)  # the careful pass
+    spec = [TensorSpec((x.size,), "float32", 0)]
+    out = []
+    for native in (True, False):
+        acc = Accumulator(spec, block=1000)
+        acc._native_off = not native
+        for w in (1.0, 3.0, -1.0, 7.0):
+            acc.fold([x], w)
+        out.append(acc._lo[0].copy())
+    return "" if np.array_equal(out[0], out[1]) else "its integers differ from the NumPy path"
+
+
+def _library() -> ctypes.CDLL | None:
+    if _disabled():
+        return None
+    with _lock:
+        if "lib" not in _state:
+            _state["lib"], why = _build()
+            if _state["lib"] is not None:
+                why = _self_check()  # re-enters _library (RLock): the kernel is already set
+                if why:
+                    _state["lib"] = None
+            if _state["lib"] is None:
+                _log.info("fedagg: native fold kernel unavailable (%s); folds take the NumPy "
+                          "path (same results, slower). Set %s=0 to skip the build.", why, ENV)
+    lib: ctypes.CDLL | None = _state["lib"]
+    return lib
+
+
+def available() -> bool:
+    """Whether folds use the native kernel (builds it on first call)."""
+    return _library() is not None
+
+
+def sumsq_f32(x: npt.NDArray[Any], ref: npt.NDArray[Any] | None = None) -> float | None:
+    """``sum((x - ref)**2)`` (``ref`` None: of ``x``) in float64, or None when the kernel does
+    not apply (not built; not contiguous float32 of one size)."""
+    lib = _library()
+    if (lib is None or x.dtype != np.float32 or not x.flags.c_contiguous
+            or (ref is not None and (ref.dtype != np.float32 or not ref.flags.c_contiguous
+                                     or ref.size != x.size))):
+        return None
+    return float(lib.fedagg_sumsq_f32(x.ctypes.data, None if ref is None else ref.ctypes.data,
+                                      x.size))
+
+
+def threads() -> int:
+    """Threads of a fold of a large tensor: ``$FEDAGG_FOLD_THREADS``, default the CPUs (at
+    most 4)."""
+    raw = os.environ.get(THREADS_ENV, "").strip()
+    if raw.isdigit() and int(raw) >= 1:
+        return int(raw)
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    with _lock:  # a forked child gets a fresh pool (the parent's threads are not in it)
+        pool = _state.get("pool")
+        if pool is None or _state.get("pool_pid") != os.getpid() or \
+                _state.get("pool_workers") != workers:
+            pool = _state["pool"] = ThreadPoolExecutor(workers,
+                                                       thread_name_prefix="fedagg-fold")
+            _state["pool_pid"], _state["pool_workers"] = os.getpid(), workers
+        return pool
+
+
+def fold_f32_parallel(x: npt.NDArray[np.float32], lo: npt.NDArray[np.int64], c: float,
+                      bound: int, block: int, lo_max: int,
+                      ref: npt.NDArray[np.float32] | None = None, norm: int = 0,
+                      parts: int = 2) -> tuple[int, int, float] | None:
+    """Fold all of ``x * c`` into ``lo`` in ``parts`` threads, or nothing.
+
+    The tensor is cut at block boundaries, so the blocks (and their bounds) are those of the
+    serial fold; each part may add at most ``(lo_max - bound) // parts`` to the bound. If any
+    part hands a block back, what the parts folded is subtracted again (exact) and ``None``
+    returned: the caller then folds serially. Returns ``(x.size, bound, sumsq)`` on success.
+    """
+    n = x.size
+    step = -(-(n // parts) // block) * block
+    cuts = [min(k * step, n) for k in range(parts + 1)]
+    spans = [(a, b) for a, b in itertools.pairwise(cuts) if b > a]
+    budget = (lo_max - bound) // len(spans)
+    if len(spans) < 2 or budget <= 0:
+        return None
+    pool = _pool(len(spans) - 1)
+
+    def run(span: tuple[int, int], scale: float, cap: int) -> tuple[int, int, float] | None:
+        a, b = span
+        return fold_f32(x[a:b], 0, lo[a:b], scale, 0, block, cap,
+                        None if ref is None else ref[a:b], norm)
+
+    futures = [pool.submit(run, sp, c, budget) for sp in spans[1:]]
+    got = [run(spans[0], c, budget)] + [f.result() for f in futures]
+    if all(g is not None and g[0] == b - a for g, (a, b) in zip(got, spans, strict=True)):
+        return n, bound + sum(g[1] for g in got if g), sum(g[2] for g in got if g)
+    for g, (a, _) in zip(got, spans, strict=True):  # undo: the same blocks pass again
+        if g is not None and g[0] > 0:
+            back = run((a, a + g[0]), -c, lo_max)
+            assert back is not None and back[0] == g[0], "the undo of a fold is exact"
+    return None
+
+
+def fold_f32(x: npt.NDArray[np.float32], start: int, lo: npt.NDArray[np.int64], c: float,
+             bound: int, block: int, lo_max: int,
+             ref: npt.NDArray[np.float32] | None = None, norm: int = 0
+             ) -> tuple[int, int, float] | None:
+    """Fold ``x[start:] * c`` into ``lo`` block by block (see ``_fold.c``).
+
+    Returns ``(stop, bound, sumsq)``: the start of the first block left to the NumPy path
+    (``x.size`` when none), the new bound and the sum of squares of the folded blocks (``norm``
+    1: of ``x``; 2: of ``x - ref``); ``None`` when the kernel does not apply (not built, other
+    dtypes or layouts) — nothing was folded then.
+    """
+    lib = _library()
+    if (lib is None or x.dtype != np.float32 or not x.flags.c_contiguous
+            or not lo.flags.c_contiguous or lo.dtype != np.int64 or lo.size != x.size
+            or not -(1 << 62) <= bound < (1 << 62)):
+        return None
+    if norm == 2 and (ref is None or ref.dtype != np.float32 or not ref.flags.c_contiguous
+                      or ref.size != x.size):
+        return None
+    b = ctypes.c_int64(bound)
+    ss = ctypes.c_double(0.0)
+    stop = lib.fedagg_fold_f32(x.ctypes.data, x.size, start, lo.ctypes.data, c,
+                               ctypes.byref(b), block, lo_max,
+                               ref.ctypes.data if norm == 2 and ref is not None else None,
+                               norm, ctypes.byref(ss))
+    return int(stop), int(b.value), float(ss.value)
