@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from fedagg.aggregate import MEDIAN_MIN_UPDATES
+from fedagg.asyncagg.guards import DEFAULT_GUARD_WINDOW
 from fedagg.config_sections import _Section
 
 __all__ = ["AsynchronousConfig", "CompressionConfig", "SecAggConfig"]
@@ -158,6 +160,15 @@ class AsynchronousConfig(_Section):
         10, ge=0,
         description="Updates trained from a model more than this many versions old are "
         "refused (named in metrics.json) and never reach the model; None = no bound.",
+    )
+    guard_window: int = Field(
+        DEFAULT_GUARD_WINDOW, ge=MEDIAN_MIN_UPDATES, le=100_000,
+        description="Median-relative guards of the asynchronous loop: an arriving update is "
+        "judged against the delta norms and weights of the last N accepted updates (with "
+        "itself: a round of N + 1, as strategy.norm_outlier_factor / strategy.max_weight_ratio "
+        "judge a synchronous round) before it is folded; the guards act once "
+        f"{MEDIAN_MIN_UPDATES} are in. "
+        "Secure cohorts: the norm guard on the cohort's sum only.",
     )
     deadline: float = Field(
         60.0, gt=0,

@@ -1,15 +1,15 @@
 """What an asynchronous run records and writes, and how it resumes from its checkpoint.
 
-* ``_Tally`` — what happened since the last record (bytes, sites, refusals, errors, training
-  loss, the secure cohort's figures); ``_new_record`` turns it into the record of one
+* ``_Tally`` — what happened since the last record (bytes, sites, refusals, capped weights,
+  errors, training loss, the secure cohort's figures); ``_new_record`` turns it into the record of one
   applied (or refused) buffer, with the central evaluation every ``run.evaluate_every``
   records (``_evaluator``, ``_evaluated``);
 * ``_record`` — the ArrayRecord of a model version, one per version, shared by its
   dispatches; ``_emit`` / ``_checkpoint`` — ``metrics.json``, the round callback and the
   atomic checkpoint of the whole state after every applied buffer;
 * ``_resume`` — the state, records and run id from a checkpoint, and the in-flight
-  dispatches sent again (at their original times on a virtual clock, so the run replays the
-  same arrival order and versions; a cohort re-keys); ``_finish`` — ``model.npz`` /
+  dispatches and federated evaluations sent again (at their original times on a virtual
+  clock, so the run replays the same arrival order and versions; a cohort re-keys); ``_finish`` — ``model.npz`` /
   ``model.pt``, the plot, and a failed run when no buffer changed the model.
 
 Methods of :class:`server.asynchronous._AsyncRun`, defined here and bound in its class body.
@@ -56,6 +56,7 @@ class _Tally:
     dispatched: int = 0
     replied: int = 0
     refused: dict[str, str] = field(default_factory=dict)
+    capped: dict[str, str] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     loss: float = 0.0
     loss_weight: float = 0.0
@@ -133,6 +134,8 @@ def _new_record(self: _AsyncRun, committed: bool, summary: str) -> dict[str, Any
     rec.update(t.secagg)
     if t.refused:
         rec["rejected"] = dict(t.refused)
+    if t.capped:
+        rec["weights_capped"] = dict(t.capped)
     if t.errors:
         rec["errors"] = dict(t.errors)
     if summary:
@@ -177,6 +180,7 @@ def _resume(self: _AsyncRun) -> None:
         else:
             self._send_cohort(int(item))
     self.clock.set(now)
+    self._resend_evaluations()
     self.tally = _Tally(t0=self.records[-1].get("time", now) if self.records else now)
     _log.info("resuming asynchronous run at version %d (%d dispatches sent again)",
               self.state.version, len(self.flights))

@@ -26,8 +26,14 @@ checkpointed atomically; a resumed run sends the in-flight dispatches again (at 
 original times on a virtual clock), so it replays the same arrival order and the same
 versions as an uninterrupted run (tests/asynchronous/test_async_resume.py).
 
+Every arriving update is judged by the median-relative guards against the last accepted
+updates before it is folded (:mod:`fedagg.asyncagg.guards`: norm bombs refused, lying weights
+capped). With ``run.fraction_evaluate > 0`` idle sites evaluate the new versions while
+training goes on (:mod:`server.async_evaluate`, which also routes replies by message type).
+
 The secure cohorts are in :mod:`server.async_cohorts`; the records, checkpoints, outputs and
-the resume in :mod:`server.async_records` (methods of the run, bound in its class body).
+the resume in :mod:`server.async_records`; the federated evaluation in
+:mod:`server.async_evaluate` (methods of the run, bound in its class body).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from flwr.serverapp import Grid
 from fedagg.aggregate import ServerOptimizer, model_change_problem
 from fedagg.asyncagg import (
     AsyncServerState,
+    GuardWindow,
     Job,
     StalenessWeight,
     UpdateBuffer,
@@ -56,7 +63,7 @@ from fedagg.asyncagg import (
 from fedagg.config import RunConfig
 from fedagg.errors import ConfigError, RunFailed, UpdateRejected, explain
 from fedagg.report import atomic_write_bytes
-from server import async_cohorts, async_records
+from server import async_cohorts, async_evaluate, async_records
 from server.async_cohorts import _CohortRun
 from server.async_dispatch import (
     NodeView,
@@ -66,6 +73,7 @@ from server.async_dispatch import (
     decode_update,
     job_strategy,
 )
+from server.async_evaluate import _EvalFlight, _EvalRun, route_reply
 from server.async_records import _Tally
 from server.runner import (
     EvaluateFn,
@@ -126,7 +134,9 @@ class _AsyncRun:
             staleness=StalenessWeight(a.staleness, a.staleness_a, a.staleness_b),
             max_staleness=a.max_staleness,
             optimizer=ServerOptimizer(s.server_optimizer, lr=s.server_lr, beta1=s.server_momentum),
-            seed=cfg.run.seed)
+            seed=cfg.run.seed,
+            guards=GuardWindow(a.guard_window, norm_outlier_factor=s.norm_outlier_factor,
+                               max_weight_ratio=s.max_weight_ratio))
         self.concurrency = concurrency_of(cfg)
         self.job_timeout = float(cfg.run.round_timeout)
         self.run_id = os.urandom(16)
@@ -137,6 +147,9 @@ class _AsyncRun:
         self.arrivals = 0
         self._records_of: dict[int, ArrayRecord] = {}
         self._eval = self._evaluator(evaluate_fn, model_fn)
+        self.eval_flights: dict[str, _EvalFlight] = {}  # federated evaluation (async_evaluate)
+        self.eval_runs: dict[int, _EvalRun] = {}
+        self._eval_with: Any = None
 
     # -- evaluation, records, checkpoints --------------------------------------------------------
     _evaluator = async_records._evaluator
@@ -145,6 +158,16 @@ class _AsyncRun:
     _checkpoint = async_records._checkpoint
     _emit = async_records._emit
     _new_record = async_records._new_record
+    _eval_strategy = async_evaluate._eval_strategy
+    _evaluate_version = async_evaluate._evaluate_version
+    _send_evaluation = async_evaluate._send_evaluation
+    _handle_evaluation = async_evaluate._handle_evaluation
+    _refuse_reply = async_evaluate._refuse_reply
+    _close_evaluation = async_evaluate._close_evaluation
+    _expire_evaluations = async_evaluate._expire_evaluations
+    _eval_targets = async_evaluate._eval_targets
+    _drain_evaluations = async_evaluate._drain_evaluations
+    _resend_evaluations = async_evaluate._resend_evaluations
 
     def _take(self) -> dict[str, Any]:
         """Apply the buffer (model-integrity checked); the record of it (not yet emitted)."""
@@ -177,6 +200,7 @@ class _AsyncRun:
         """FedBuff: apply the buffer, record, checkpoint."""
         rec = self._take()
         self._emit(rec)
+        self._evaluate_version(rec)
         _kill_if(f"{rec['round']}:after-apply")
         self._checkpoint()
 
@@ -246,12 +270,15 @@ class _AsyncRun:
                 self._send_job(st.dispatch(node, self.clock.now(), server_round=st.round))
 
     # -- replies ----------------------------------------------------------------------------------
-    def _pull(self) -> list[Message]:
-        if not self.flights:
+    def _pull(self, *, train: bool = True) -> list[Message]:
+        """Replies to the train (unless not ``train``) and evaluate messages in flight."""
+        sent = [f.message for f in self.flights.values()] if train else []
+        sent += [f.message for f in self.eval_flights.values()]
+        if not sent:
             return []
         pull = getattr(self.grid, "pull_due", self.grid.pull_messages)  # DelayedGrid: no waiting
-        got = list(pull(list(self.flights)))
-        kept, refused = filter_replies([f.message for f in self.flights.values()], got)
+        got = list(pull([*self.flights, *self.eval_flights] if train else [*self.eval_flights]))
+        kept, refused = filter_replies(sent, got)
         self.tally.refused.update(refused)
         order = {mid: f.job.job for mid, f in self.flights.items()}
         return sorted(kept, key=lambda r: order.get(r.metadata.reply_to_message_id, 0)) \
@@ -285,6 +312,13 @@ class _AsyncRun:
             self.tally.refused[node] = str(exc)
             _log.warning("refused update: %s", exc)
             return
+        if entry.weight < weight:  # the median-relative weight cap (fedagg.asyncagg.guards)
+            self.tally.capped[node] = (
+                f"node {node}: weight {weight:.6g} capped to {entry.weight:.6g} (strategy."
+                f"max_weight_ratio = {self.cfg.strategy.max_weight_ratio:g} x the median weight "
+                "of the last accepted updates and this one)")
+            _log.warning("%s", self.tally.capped[node])
+            weight = entry.weight
         self.tally.replied += 1
         loss = metrics.get("train_loss", metrics.get("train-loss"))
         if isinstance(loss, int | float) and math.isfinite(loss):
@@ -312,6 +346,7 @@ class _AsyncRun:
             c = self.state.cohorts[cid]
             if now >= c.started_at + self.job_timeout:
                 self._close_cohort(cid)
+        self._expire_evaluations()
 
     def _deadline(self) -> None:
         """Deadline mode: close the round at its deadline (or when all its sites replied).
@@ -343,6 +378,7 @@ class _AsyncRun:
             rec.update(updates=0, staleness={})
             _log.warning("%s", rec["summary"])
         self._emit(rec)
+        self._evaluate_version(rec)
         _kill_if(f"{rec['round']}:after-apply")
         if not self.done:
             self._start_round()
@@ -361,7 +397,8 @@ class _AsyncRun:
             t = nxt(list(self.flights))
             if t is not None:
                 targets.append(float(t))
-        if not self.flights and not any(t > now for t in targets):
+        targets += self._eval_targets()
+        if not self.flights and not self.eval_flights and not any(t > now for t in targets):
             raise RunFailed(f"asynchronous run stalled at version {self.state.version}: no "
                             "dispatch in flight and no site free to dispatch to", self.records)
         self.clock.wait_until(min(targets) if targets else now + self.cfg.asynchronous.poll,
@@ -389,8 +426,13 @@ class _AsyncRun:
             self._checkpoint()
         while not self.done:
             for reply in self._pull():
-                if reply.metadata.reply_to_message_id in self.flights:
+                kind = route_reply(reply, self.flights, self.eval_flights)
+                if kind == "train":
                     self._handle(reply)
+                elif kind == "evaluate":
+                    self._handle_evaluation(reply)
+                elif kind:
+                    self._refuse_reply(reply)
                 if self.done:
                     break
             if self.done:
@@ -402,15 +444,16 @@ class _AsyncRun:
                 break
             if not self._due():
                 self._wait()
+        self._drain_evaluations()
         self._finish()
         return self.records
 
     def _due(self) -> bool:
         """Whether a reply is already due (a DelayedGrid says; on a real grid: pull again)."""
         nxt = getattr(self.grid, "next_arrival", None)
-        if not callable(nxt) or not self.flights:
+        if not callable(nxt) or not (self.flights or self.eval_flights):
             return False
-        t = nxt(list(self.flights))
+        t = nxt([*self.flights, *self.eval_flights])
         return t is not None and t <= self.clock.now()
 
     _finish = async_records._finish

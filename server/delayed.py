@@ -6,7 +6,8 @@ pushed, but the reply is held back until its **arrival time**, ``sent + duration
 grid's clock. The duration of a training message comes from a seeded
 :class:`fedagg.asyncagg.SpeedModel` keyed by the site's partition id and the message's
 ``server-round`` (so a message sent again after a resume takes exactly as long); key setup
-and unmask messages of secure aggregation take the model's ``latency`` only.
+and unmask messages of secure aggregation, and evaluate messages, take the model's
+``latency`` only.
 
 With a :class:`fedagg.asyncagg.VirtualClock` (default) nothing sleeps: the asynchronous loop
 asks :meth:`DelayedGrid.next_arrival` and jumps there (a caller that only polls, such as the
@@ -67,8 +68,9 @@ def speed_model(cfg: RunConfig, work: Mapping[int, float] | None = None) -> Spee
 
 
 def _trains(msg: Message) -> bool:
-    """Whether the message makes the site train (not a key-setup or unmask stage)."""
-    if not msg.has_content():
+    """Whether the message makes the site train (not a key-setup or unmask stage, not an
+    evaluation)."""
+    if not msg.has_content() or str(msg.metadata.message_type).startswith("evaluate"):
         return False
     rec = msg.content.config_records.get(PARAMS_KEY)
     if rec is None:

@@ -6,8 +6,10 @@ Aggregation", Algorithm 1) and deadline rounds, as plain objects the server loop
 
 * :class:`StalenessWeight` — ``w(s)``: constant, polynomial ``(1 + s)^-a``, hinge;
 * :class:`UpdateBuffer` — the running, staleness-weighted sum of deltas and its mean;
-* :class:`AsyncServerState` — versions, buffer, server optimizer, in-flight dispatches and
-  secure cohorts, with ``state_dict()`` for checkpoints;
+* :class:`AsyncServerState` — versions, buffer, server optimizer, in-flight dispatches,
+  secure cohorts and federated evaluations, with ``state_dict()`` for checkpoints;
+* :class:`GuardWindow` — the median-relative guards (norm bombs, weight caps) decided on
+  arrival against the last accepted updates;
 * :class:`SpeedModel` — seeded per-site durations (fixed factors, lognormal delays);
 * :class:`VirtualClock` / :class:`WallClock` — simulated or real time.
 
@@ -16,11 +18,13 @@ See docs/asynchronous.md.
 
 from fedagg.asyncagg.buffer import BufferEntry, BufferResult, UpdateBuffer, Weighting
 from fedagg.asyncagg.clock import Clock, VirtualClock, WallClock
+from fedagg.asyncagg.guards import DEFAULT_GUARD_WINDOW, GuardWindow, Verdict
 from fedagg.asyncagg.speed import SpeedModel
 from fedagg.asyncagg.staleness import STALENESS_KINDS, StalenessKind, StalenessWeight
-from fedagg.asyncagg.state import Applied, AsyncServerState, Cohort, Job
+from fedagg.asyncagg.state import Applied, AsyncServerState, Cohort, Evaluation, Job
 
 __all__ = [
+    "DEFAULT_GUARD_WINDOW",
     "STALENESS_KINDS",
     "Applied",
     "AsyncServerState",
@@ -28,11 +32,14 @@ __all__ = [
     "BufferResult",
     "Clock",
     "Cohort",
+    "Evaluation",
+    "GuardWindow",
     "Job",
     "SpeedModel",
     "StalenessKind",
     "StalenessWeight",
     "UpdateBuffer",
+    "Verdict",
     "VirtualClock",
     "WallClock",
     "Weighting",

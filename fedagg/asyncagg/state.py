@@ -9,12 +9,16 @@ with and what its checkpoint holds:
 * every **in-flight dispatch** (:class:`Job`: node, the version it trains from, its
   ``server-round``, when it left) and every open secure **cohort**, and the models of the
   versions they reference (so a resumed run can send them again);
-* the per-site ``server-round`` counters and the dispatch / cohort counters.
+* the per-site ``server-round`` counters and the dispatch / cohort counters;
+* the :class:`~fedagg.asyncagg.guards.GuardWindow` of the median-relative guards (the
+  scalars of the last accepted updates) and the federated **evaluations** in flight
+  (:class:`Evaluation`: the record and version they evaluate, the nodes asked).
 
 FedBuff (Nguyen et al. 2022, Algorithm 1): :meth:`fold` each arriving update with its
 staleness weight, :meth:`apply` the buffer when it is full. An update more than
 ``max_staleness`` versions old is refused (:class:`~fedagg.errors.UpdateRejected`, naming the
-site) and never reaches the model. Site choices are seeded functions of the counters, so the
+site) and never reaches the model, and so is a norm bomb or capped a lying weight when the
+state has guards (:mod:`fedagg.asyncagg.guards`). Site choices are seeded functions of the counters, so the
 whole run is a deterministic function of the seed and the arrival order.
 """
 
@@ -29,12 +33,14 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from fedagg.accumulate import delta_norm
 from fedagg.aggregate import ServerOptimizer
 from fedagg.asyncagg.buffer import BufferEntry, BufferResult, UpdateBuffer
+from fedagg.asyncagg.guards import GuardWindow
 from fedagg.asyncagg.staleness import StalenessWeight
 from fedagg.errors import ConfigError, UpdateRejected, explain
 
-__all__ = ["Applied", "AsyncServerState", "Cohort", "Job"]
+__all__ = ["Applied", "AsyncServerState", "Cohort", "Evaluation", "Job"]
 
 Arrays = list[NDArray[Any]]
 Check = Callable[[Arrays, Arrays], str]
@@ -74,6 +80,16 @@ class Cohort:
 
 
 @dataclass(frozen=True)
+class Evaluation:
+    """A federated evaluation of model ``version`` (record ``round``) sent to ``nodes``."""
+
+    round: int
+    version: int
+    nodes: tuple[int, ...]
+    sent_at: float
+
+
+@dataclass(frozen=True)
 class Applied:
     """A buffer taken out: the model ``version`` after it, what was in it, the model.
 
@@ -110,11 +126,14 @@ class AsyncServerState:
         How a buffer's mean delta is applied (server learning rate or FedOpt).
     seed : int
         Seed of the site choices.
+    guards : GuardWindow, optional
+        The median-relative guards applied on arrival (None: none).
     """
 
     def __init__(self, model: Sequence[NDArray[Any]], *, buffer: UpdateBuffer,
                  staleness: StalenessWeight, max_staleness: int | None,
-                 optimizer: ServerOptimizer, seed: int = 0) -> None:
+                 optimizer: ServerOptimizer, seed: int = 0,
+                 guards: GuardWindow | None = None) -> None:
         if max_staleness is not None and (isinstance(max_staleness, bool) or max_staleness < 0):
             raise ConfigError(explain("asynchronous.max_staleness", max_staleness,
                                       "must be a whole number >= 0 or unset",
@@ -126,6 +145,8 @@ class AsyncServerState:
         self.max_staleness = max_staleness
         self.optimizer = optimizer
         self.seed = int(seed)
+        self.guards = guards
+        self.evaluations: dict[int, Evaluation] = {}
         self.jobs: dict[int, Job] = {}
         self.cohorts: dict[int, Cohort] = {}
         self.site_rounds: dict[int, int] = {}
@@ -212,17 +233,31 @@ class AsyncServerState:
 
     def fold(self, delta: Sequence[NDArray[Any]], *, node: int, partition: int, job: int,
              version: int, weight: float, count: int = 1) -> BufferEntry:
-        """Fold one checked update (or a cohort's mean) with its staleness weight.
+        """Fold one checked update (or a cohort's mean, ``node = -1``) with its staleness weight.
+
+        With :attr:`guards`, the update is first judged against the window of the last accepted
+        updates (delta norm by :func:`fedagg.accumulate.delta_norm`, block-wise): a norm bomb
+        is refused, a lying weight is folded at the cap (the entry's ``weight``; a cohort's sum
+        is never capped: its members' weights are masked), and an accepted update enters the
+        window.
 
         Raises
         ------
         UpdateRejected
-            Older than ``max_staleness`` (nothing is folded).
+            Older than ``max_staleness``, or a norm bomb (nothing is folded).
         """
-        s = self.admit(version, f"node {node}")
+        site = f"node {node}" if node >= 0 else f"cohort {job}"
+        s = self.admit(version, site)
+        verdict = None
+        if self.guards is not None:
+            verdict = self.guards.judge(delta_norm(delta), float(weight), site=site,
+                                        cap=node >= 0)
+            weight = verdict.weight
         entry = BufferEntry(int(node), int(partition), int(job), int(version), s,
                             float(self.staleness_weight(s)), float(weight), int(count))
         self.buffer.fold(delta, entry)
+        if verdict is not None and self.guards is not None:
+            self.guards.accept(verdict)
         return entry
 
     def apply(self, check: Check | None = None) -> Applied:
@@ -252,6 +287,21 @@ class AsyncServerState:
         self._collect()
         return Applied(self.version, result, self.model)
 
+    # -- federated evaluation ----------------------------------------------------------------------
+    def open_evaluation(self, round: int, nodes: Sequence[int], now: float) -> Evaluation:
+        """Register a federated evaluation of the current version (record ``round``); its model
+        is kept (and checkpointed) until :meth:`close_evaluation`."""
+        ev = Evaluation(int(round), self.version, tuple(sorted(int(n) for n in nodes)),
+                        float(now))
+        self.evaluations[ev.round] = ev
+        return ev
+
+    def close_evaluation(self, round: int) -> Evaluation:
+        """Forget the evaluation of record ``round`` (done, timed out or dropped)."""
+        ev = self.evaluations.pop(int(round))
+        self._collect()
+        return ev
+
     # -- versions --------------------------------------------------------------------------------
     def model_of(self, version: int) -> Arrays:
         """The global model of ``version`` (kept while a dispatch references it).
@@ -265,7 +315,8 @@ class AsyncServerState:
 
     def _collect(self) -> None:
         keep = {self.version, *(j.version for j in self.jobs.values()),
-                *(c.version for c in self.cohorts.values())}
+                *(c.version for c in self.cohorts.values()),
+                *(e.version for e in self.evaluations.values())}
         for v in [v for v in self._versions if v not in keep]:
             del self._versions[v]
 
@@ -284,10 +335,14 @@ class AsyncServerState:
             "site_rounds": {str(k): v for k, v in sorted(self.site_rounds.items())},
             "next_job": self.next_job, "next_cohort": self.next_cohort, "round": self.round,
             "round_started": self.round_started, "now": self.now,
+            "guard_window": self.guards.state_dict() if self.guards is not None else None,
+            "evaluations": [{**asdict(e), "nodes": list(e.nodes)}
+                            for e in sorted(self.evaluations.values(), key=lambda e: e.round)],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output."""
+        """Restore :meth:`state_dict` output (one without ``guard_window`` or ``evaluations``,
+        from before they existed, gives an empty window and no evaluation in flight)."""
         self.version = int(state["version"])
         self.model = [np.asarray(a).copy() for a in state["model"]]
         self._versions = {int(v): [np.asarray(a).copy() for a in m]
@@ -307,3 +362,9 @@ class AsyncServerState:
         self.next_job, self.next_cohort = int(state["next_job"]), int(state["next_cohort"])
         self.round, self.round_started = int(state["round"]), float(state["round_started"])
         self.now = float(state["now"])
+        if self.guards is not None:
+            self.guards.load_state_dict(state.get("guard_window"))
+        self.evaluations = {int(e["round"]): Evaluation(int(e["round"]), int(e["version"]),
+                                                        tuple(int(n) for n in e["nodes"]),
+                                                        float(e["sent_at"]))
+                            for e in state.get("evaluations") or []}

@@ -2,7 +2,8 @@
 
 ``fake_app`` is a real Flower ClientApp behind fedagg's client mod (so compression and secure
 aggregation run the real site protocol), whose "training" is a fixed function of the model it
-got, the site and the round: ``trained = decay * w + c(site, round)``. The naive references
+got, the site and the round: ``trained = decay * w + c(site, round)``; its evaluation reports
+``eval_loss = sum |w| + site`` (:func:`eval_loss`). The naive references
 re-implement FedBuff (Nguyen et al. 2022, Algorithm 1) and deadline rounds as a plain
 discrete-event simulation over the same speed model, with lists and a heap, nothing shared
 with the code under test but the site durations.
@@ -11,7 +12,7 @@ with the code under test but the site durations.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -47,8 +48,11 @@ def train(w: Sequence[np.ndarray], part: int, rnd: int) -> list[np.ndarray]:
             for a, c in zip(w, step(part, rnd, [np.shape(a) for a in w]), strict=True)]
 
 
-def fake_app(bad: Callable[[int, int], str] | None = None) -> ClientApp:
-    """The deterministic ClientApp (``bad(part, round)`` may return 'nan', 'shape', 'raise')."""
+def fake_app(bad: Callable[[int, int], str] | None = None,
+             evaluated: list[tuple[int, int, list[np.ndarray]]] | None = None) -> ClientApp:
+    """The deterministic ClientApp (``bad(part, round)`` may return 'nan', 'shape', 'raise',
+    'bomb': a delta 1000x the honest one, 'weight': num-examples = 1e6); every evaluation is
+    appended to ``evaluated`` as ``(part, server-round, model)``."""
     app = ClientApp(mods=[fedagg_mod])
 
     @app.train()
@@ -64,12 +68,32 @@ def fake_app(bad: Callable[[int, int], str] | None = None) -> ClientApp:
             out[0] = np.zeros((1, 1), np.float32)
         elif how == "raise":
             raise RuntimeError(f"site {part} failed in round {rnd} (injected)")
-        metrics: dict[str, Any] = {"num-examples": examples(part), "partition-id": part,
-                                   "server-round": rnd, "train_loss": float(part)}
+        elif how == "bomb":
+            out = [(a + np.float32(1000) * (o - a)).astype(np.float32)
+                   for a, o in zip(w, out, strict=True)]
+        metrics: dict[str, Any] = {"num-examples": 1e6 if how == "weight" else examples(part),
+                                   "partition-id": part, "server-round": rnd,
+                                   "train_loss": float(part)}
         return Message(RecordDict({"arrays": arrays_to_record(out, keys),
                                    "metrics": MetricRecord(metrics)}), reply_to=msg)
 
+    @app.evaluate()
+    def evaluate(msg: Message, ctx: Context) -> Message:
+        _, w = record_to_arrays(msg.content.array_records["arrays"])
+        part = int(ctx.node_config["partition-id"])  # type: ignore[arg-type]
+        if evaluated is not None:
+            rnd = int(msg.content.config_records["config"]["server-round"])  # type: ignore[arg-type]
+            evaluated.append((part, rnd, w))
+        metrics = {"num-examples": examples(part), "eval_loss": eval_loss(w, part),
+                   "partition-id": part}
+        return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+
     return app
+
+
+def eval_loss(w: Sequence[np.ndarray], part: int) -> float:
+    """What site ``part`` reports as ``eval_loss`` of model ``w`` (a fixed function of both)."""
+    return float(sum(np.abs(np.asarray(a, np.float64)).sum() for a in w) + part)
 
 
 def tiny_model() -> torch.nn.Module:
@@ -106,8 +130,14 @@ def run(cfg: RunConfig, speed: SpeedModel, *, app: ClientApp | None = None,
 
 def naive_fedbuff(w0: list[np.ndarray], n: int, speed: SpeedModel, *, k: int, versions: int,
                   weight: StalenessWeight, max_staleness: int | None, lr: float = 1.0,
-                  never: Sequence[int] = ()) -> tuple[list[list[np.ndarray]], list[tuple]]:
+                  never: Sequence[int] = (), refuse: Container[tuple[int, int]] = (),
+                  weights: Mapping[tuple[int, int], float] | None = None
+                  ) -> tuple[list[list[np.ndarray]], list[tuple]]:
     """FedBuff with C = N, as a discrete-event simulation (sites never in ``never`` reply).
+
+    The updates of ``(site, round)`` in ``refuse`` are dropped on arrival (the site is sent the
+    newest model again, as after a staleness refusal); ``weights`` replaces the example weight
+    of the given ``(site, round)`` updates.
 
     Returns the model of every version and the event log ``(time, part, staleness, refused)``.
     """
@@ -131,13 +161,14 @@ def naive_fedbuff(w0: list[np.ndarray], n: int, speed: SpeedModel, *, k: int, ve
     while len(models) - 1 < versions and heap:
         t, _, part, v, rnd = heapq.heappop(heap)
         s = len(models) - 1 - v
-        refused = max_staleness is not None and s > max_staleness
+        refused = (max_staleness is not None and s > max_staleness) or (part, rnd) in refuse
         log.append((t, part, s, refused))
         if not refused:
             sent = models[v]
             delta = [np.asarray(a, np.float64) - np.asarray(b, np.float64)
                      for a, b in zip(train(sent, part, rnd), sent, strict=True)]
-            buffer.append((weight(s), float(examples(part)), delta))
+            n = (weights or {}).get((part, rnd), float(examples(part)))
+            buffer.append((weight(s), n, delta))
             if len(buffer) == k:
                 norm = sum(e[1] for e in buffer)
                 mean = []

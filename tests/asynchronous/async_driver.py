@@ -1,9 +1,10 @@
 """Run the asynchronous loop over the real ClientApp in one process (kill / resume tests).
 
-``python tests/asynchronous/async_driver.py RUN_DIR ROUNDS MODE [--resume]``: FedBuff
+``python tests/asynchronous/async_driver.py RUN_DIR ROUNDS MODE [--resume] [--evaluate]``: FedBuff
 (``MODE = fedbuff``) or deadline rounds over :class:`server.delayed.DelayedGrid` (real
 ``clients.app:app``, real serialisation, lognormal site speeds on a virtual clock), so a run
-starts in seconds and can be SIGKILLed at any point. Test hooks: ``FEDAGG_TEST_KILL_AT``
+starts in seconds and can be SIGKILLed at any point; ``--evaluate`` adds federated evaluation
+(``run.fraction_evaluate = 1``) on the idle sites. Test hooks: ``FEDAGG_TEST_KILL_AT``
 (``"arrival:<n>"``, ``"<round>:after-apply"``) and ``FEDAGG_TEST_KILL_IN_CHECKPOINT_ROUND``.
 """
 
@@ -29,6 +30,8 @@ def main() -> None:
         "asynchronous.concurrency=4", "asynchronous.deadline=14", "asynchronous.sim_sigma=0.8",
         "asynchronous.sim_site_sigma=0.4", "asynchronous.max_staleness=3",
     ]
+    if "--evaluate" in sys.argv:
+        overrides.append("run.fraction_evaluate=1.0")
     if "--resume" in sys.argv:
         overrides.append(f"run.resume='{run_dir}'")
     cfg = load_config(None, overrides)

@@ -49,3 +49,20 @@ def test_fedbuff_on_the_simulation_engine(tmp_path: Path, secure: bool) -> None:
         assert sum(r["staleness"].values()) == r["updates"]  # type: ignore[union-attr]
         if secure:
             assert r["secagg_counted"] == 3 and r["secagg_dropped"] == 0
+        assert "federated_eval" not in r  # run.fraction_evaluate = 0 (the default)
+
+
+def test_federated_evaluation_on_the_simulation_engine(tmp_path: Path) -> None:
+    """Idle sites evaluate every version on their held-out split; the replies come back
+    through Flower's Grid with the train replies and are recorded per version."""
+    records = _simulate(tmp_path, "run.sites=3", "run.rounds=3", "train.local_epochs=1",
+                        "asynchronous.mode=fedbuff", "asynchronous.buffer_size=2",
+                        "asynchronous.concurrency=2", "run.fraction_evaluate=1.0")
+    assert [r["version"] for r in records] == [0, 1, 2, 3]
+    assert "federated_eval" not in records[0]
+    for r in records[1:]:
+        fed = r["federated_eval"]
+        assert isinstance(fed, dict) and {"eval_loss", "eval_acc"} <= set(fed), r
+        assert 0.0 <= float(fed["eval_acc"]) <= 1.0 and float(fed["eval_loss"]) > 0
+        assert 1 <= int(r["federated_eval_sites"]) <= 3  # type: ignore[call-overload]
+        assert r["updates"] == 2 and not r.get("rejected"), r

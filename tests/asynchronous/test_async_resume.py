@@ -5,7 +5,11 @@ with K = 3 of C = 4 concurrent sites out of 5, and deadline rounds) is SIGKILLed
 (after an arrival that did not fill the buffer), right after a buffer was applied but before
 its checkpoint, and half-way through writing a checkpoint. The resumed run sends the
 in-flight dispatches again at their original (virtual) times, so it sees the same arrival
-order; the digests and simulated times of every version must equal the reference run's.
+order; the digests and simulated times of every version must equal the reference run's. The
+checkpoint holds the median-relative guards' window (the scalars of the last accepted
+updates), and with federated evaluation on (``--evaluate``) the versions are still the
+reference's, and an evaluation open at the kill is sent again, so every record gets the
+metrics of the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ DRIVER = Path(__file__).with_name("async_driver.py")
 ROUNDS = 6
 
 
-def _run(run_dir: Path, mode: str, *, resume: bool = False,
+def _run(run_dir: Path, mode: str, *, resume: bool = False, evaluate: bool = False,
          env: dict[str, str] | None = None) -> int:
     args = [sys.executable, str(DRIVER), str(run_dir), str(ROUNDS), mode]
-    proc = subprocess.run(args + (["--resume"] if resume else []), cwd=ROOT,
+    args += (["--resume"] if resume else []) + (["--evaluate"] if evaluate else [])
+    proc = subprocess.run(args, cwd=ROOT,
                           env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, timeout=600)
     if proc.returncode not in (0, -signal.SIGKILL):
@@ -67,6 +72,7 @@ def test_kill_then_resume_gives_the_same_versions(
     assert ckpt.round < ROUNDS
     state = (ckpt.strategy_state or {})["asynchronous"]
     assert state["jobs"], "the kill should leave dispatches in flight"
+    assert state["guard_window"]["norms"], "the guards' window is part of the checkpoint"
     assert _run(tmp_path, mode, resume=True) == 0
     assert _versions(tmp_path) == want
 
@@ -78,3 +84,25 @@ def test_resume_twice(tmp_path: Path, reference: tuple[str, list]) -> None:
                 env={"FEDAGG_TEST_KILL_AT": "arrival:6"}) == -signal.SIGKILL
     assert _run(tmp_path, mode, resume=True) == 0
     assert _versions(tmp_path) == want
+
+
+def _evals(run_dir: Path) -> list[object]:
+    recs = json.loads((run_dir / "metrics.json").read_text())
+    return [r.get("federated_eval") for r in recs]
+
+
+def test_kill_then_resume_with_federated_evaluation(tmp_path: Path,
+                                                    reference: tuple[str, list]) -> None:
+    mode, want = reference
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    assert _run(full, mode, evaluate=True) == 0
+    assert _versions(full) == want  # evaluating on idle sites does not change the versions
+    evals = _evals(full)
+    assert evals[0] is None and all(evals[1:])
+    assert _run(killed, mode, evaluate=True,
+                env={"FEDAGG_TEST_KILL_AT": "arrival:8"}) == -signal.SIGKILL
+    state = (load_checkpoint(killed).strategy_state or {})["asynchronous"]
+    assert state["evaluations"], "the kill should leave an evaluation open"
+    assert _run(killed, mode, resume=True, evaluate=True) == 0
+    assert _versions(killed) == want
+    assert _evals(killed) == evals  # the open evaluation was sent again

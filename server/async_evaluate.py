@@ -1,0 +1,315 @@
+"""Federated evaluation inside the asynchronous loop, and the routing of replies by type.
+
+With ``run.fraction_evaluate > 0`` the synchronous loop asks a sample of the sites to evaluate
+the global model on their held-out split after each round (``run_evaluate_round``). The
+asynchronous loop does the same after every ``run.evaluate_every``-th record (and the record
+of the last version), without stopping training:
+
+* **who** — a seeded sample (:meth:`~fedagg.asyncagg.AsyncServerState.choose`, tag
+  ``evaluate-<record>``) of ``max(int(N x run.fraction_evaluate), 1)`` of the sites that are
+  *idle*: no training job in flight, in no open secure cohort and not evaluating already. In
+  FedBuff the sites whose replies filled the buffer are idle at that moment (they are
+  redispatched right after). When fewer are idle than wanted, those are asked and the log
+  says so; training is never held back for an evaluation;
+* **how** — the run's own strategy builds the ``evaluate`` messages (``configure_evaluate``
+  on a :class:`~server.async_dispatch.NodeView` of the chosen sites, ``server-round`` = the
+  version) and aggregates the replies (``aggregate_evaluate``, as ``run_evaluate_round``
+  does); the messages go through the same ``push_messages`` / ``pull_messages`` as the train
+  messages and their replies are pulled with them;
+* **routing** — :func:`route_reply`: a reply is an update only when it answers a train
+  message *and* is of type ``train``; a reply to an evaluate message is only ever
+  evaluation metrics, and a reply whose type does not match its message is refused;
+* **records** — the metrics go into the record of the evaluated version under the
+  synchronous loop's key, ``federated_eval``, once every asked site replied, or at
+  ``run.round_timeout`` with what arrived (``federated_eval_sites`` replies,
+  ``federated_eval_errors`` when a site failed); ``metrics.json`` is written again then;
+* **end of the run** — evaluations still in flight are waited for until their
+  ``run.round_timeout`` (not past ``asynchronous.max_seconds``), then dropped with a log line;
+* **resume** — an open evaluation is part of the checkpointed state (record, version, nodes;
+  its version's model is kept while it is open) and is **sent again** after a resume, to the
+  same sites with the same model, so the record gets the same metrics as without the kill.
+
+Evaluation never touches the training state (buffer, versions, dispatch counters, the bytes
+of the records), so the versions of a run are the same with and without it for the same
+arrival order of train replies (tests/asynchronous/test_async_evaluate.py).
+
+Methods of :class:`server.asynchronous._AsyncRun`, defined here and bound in its class body.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Container, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from flwr.app import Message, MessageType
+
+from fedagg.asyncagg import Evaluation, VirtualClock
+from fedagg.report import write_metrics
+from server.async_dispatch import NodeView, _fedavg_of, config_with_round
+from server.runner import _finite_number, client_config
+from strategies.registry import build_strategy
+
+if TYPE_CHECKING:
+    from server.asynchronous import _AsyncRun
+
+__all__ = ["idle_sample", "route_reply"]
+
+_log = logging.getLogger("server.asynchronous")
+
+
+@dataclass
+class _EvalFlight:
+    """A pushed evaluate message of the evaluation of record ``round``."""
+
+    round: int
+    message: Message
+
+
+@dataclass
+class _EvalRun:
+    """An evaluation in flight: the replies so far and the refused ones (node -> why)."""
+
+    replies: list[Message] = field(default_factory=list)
+    refused: dict[str, str] = field(default_factory=dict)
+
+
+def _kind(message_type: str) -> str:
+    """``"train"`` / ``"evaluate"`` / ... of a Flower message type (``"train.x"`` is train)."""
+    return str(message_type).split(".", 1)[0]
+
+
+def route_reply(reply: Message, train: Container[str], evaluate: Container[str]) -> str:
+    """Where a pulled reply goes: ``"train"``, ``"evaluate"``, ``"mismatch"`` or ``""``.
+
+    Parameters
+    ----------
+    reply : Message
+        A reply pulled from the Grid.
+    train, evaluate : container of str
+        The ids of the train and evaluate messages in flight.
+
+    Returns
+    -------
+    str
+        ``"train"`` for a ``train`` reply to a train message (an update, or a secure stage),
+        ``"evaluate"`` for an ``evaluate`` reply to an evaluate message, ``"mismatch"`` for a
+        reply whose type is not its message's (never an update, never metrics), ``""`` for a
+        reply to no message in flight (already handled, expired or foreign).
+    """
+    rid = reply.metadata.reply_to_message_id
+    want = "train" if rid in train else "evaluate" if rid in evaluate else ""
+    if not want:
+        return ""
+    got = _kind(reply.metadata.message_type)
+    if want == "train" and got == _kind(MessageType.TRAIN):
+        return "train"
+    if want == "evaluate" and got == _kind(MessageType.EVALUATE):
+        return "evaluate"
+    return "mismatch"
+
+
+def idle_sample(nodes: Sequence[int], busy: Container[int], fraction: float,
+                choose: Any, tag: str) -> tuple[list[int], int]:
+    """The sites to evaluate on: a seeded choice among the idle ones.
+
+    Parameters
+    ----------
+    nodes : sequence of int
+        Every connected node.
+    busy : container of int
+        Nodes that are training (or evaluating) now.
+    fraction : float
+        ``run.fraction_evaluate``.
+    choose : callable
+        ``choose(pool, k, tag) -> nodes``, the run's seeded choice
+        (:meth:`fedagg.asyncagg.AsyncServerState.choose`).
+    tag : str
+        The choice's tag.
+
+    Returns
+    -------
+    (list of int, int)
+        The chosen nodes (all idle ones when fewer are idle than wanted) and how many were
+        wanted (``max(int(N x fraction), 1)``, at most ``N``, as FedAvg samples).
+    """
+    pool = sorted(int(n) for n in nodes)
+    wanted = min(len(pool), max(int(len(pool) * fraction), 1)) if fraction > 0 else 0
+    idle = [n for n in pool if n not in busy]
+    if wanted == 0 or not idle:
+        return [], wanted
+    return list(choose(idle, min(wanted, len(idle)), tag)), wanted
+
+
+def _eval_strategy(self: _AsyncRun) -> Any:
+    """The run's strategy, its FedAvg asking exactly the nodes of the view it is given."""
+    if self._eval_with is None:
+        strategy = build_strategy(self.cfg)
+        inner = _fedavg_of(strategy)
+        if inner is not None:
+            inner.fraction_evaluate, inner.min_evaluate_nodes = 1.0, 1
+            inner.min_available_nodes, inner.wait_timeout = 1, 0.0
+        self._eval_with = strategy
+    return self._eval_with
+
+
+def _evaluate_version(self: _AsyncRun, rec: dict[str, Any]) -> None:
+    """After a record: evaluate its version on idle sites when it is due."""
+    rnd, cfg = int(rec["round"]), self.cfg
+    if cfg.run.fraction_evaluate <= 0 or not (rnd % cfg.run.evaluate_every == 0
+                                              or rnd >= cfg.run.rounds):
+        return
+    evaluating = {n for e in self.state.evaluations.values() for n in e.nodes}
+    busy = self.state.busy() | evaluating
+    nodes, wanted = idle_sample(self._nodes(), busy, cfg.run.fraction_evaluate,
+                                self.state.choose, f"evaluate-{rnd}")
+    if len(nodes) < wanted:
+        _log.info("version %d: federated evaluation on %d idle site(s) of the %d wanted "
+                  "(run.fraction_evaluate = %g; the others are training)", self.state.version,
+                  len(nodes), wanted, cfg.run.fraction_evaluate)
+    if not nodes:
+        return
+    self._send_evaluation(self.state.open_evaluation(rnd, nodes, self.clock.now()))
+
+
+def _send_evaluation(self: _AsyncRun, ev: Evaluation) -> None:
+    """Build (with the run's strategy) and push the evaluate messages of ``ev``."""
+    strategy = self._eval_strategy()
+    config = config_with_round(client_config(self.cfg), ev.version)
+    msgs = list(strategy.configure_evaluate(ev.version, self._record(ev.version), config,
+                                            NodeView(self.grid, ev.nodes)))
+    if not msgs:
+        self.state.close_evaluation(ev.round)
+        return
+    self.eval_runs[ev.round] = _EvalRun()
+    for m, mid in zip(msgs, list(self.grid.push_messages(msgs)), strict=True):
+        self.eval_flights[mid] = _EvalFlight(ev.round, m)
+    _log.debug("version %d: evaluate sent to %d site(s)", ev.version, len(msgs))
+
+
+def _handle_evaluation(self: _AsyncRun, reply: Message) -> None:
+    flight = self.eval_flights.pop(reply.metadata.reply_to_message_id)
+    self.eval_runs[flight.round].replies.append(reply)
+    if not any(f.round == flight.round for f in self.eval_flights.values()):
+        self._close_evaluation(flight.round)
+
+
+def _refuse_reply(self: _AsyncRun, reply: Message) -> None:
+    """A reply whose type is not its message's: never an update, never metrics."""
+    rid, node = reply.metadata.reply_to_message_id, str(reply.metadata.src_node_id)
+    why = (f"node {node}: reply of type {reply.metadata.message_type!r} to a "
+           f"{'train' if rid in self.flights else 'evaluate'} message: refused (never "
+           "treated as an update or as evaluation metrics)")
+    _log.warning("refused reply: %s", why)
+    if rid in self.flights:
+        flight = self.flights.pop(rid)
+        self.state.arrive(flight.job.job)
+        self.tally.refused[node] = why
+    elif rid in self.eval_flights:
+        rnd = self.eval_flights.pop(rid).round
+        self.eval_runs[rnd].refused[node] = why
+        if not any(f.round == rnd for f in self.eval_flights.values()):
+            self._close_evaluation(rnd)
+
+
+def _close_evaluation(self: _AsyncRun, rnd: int, why: str = "") -> None:
+    """Aggregate what the evaluation of record ``rnd`` got; write it into that record."""
+    missing = [mid for mid, f in self.eval_flights.items() if f.round == rnd]
+    for mid in missing:
+        del self.eval_flights[mid]
+    run = self.eval_runs.pop(rnd, None) or _EvalRun()
+    ev = self.state.close_evaluation(rnd)
+    if missing:
+        _log.warning("version %d: federated evaluation without %d of its %d site(s): %s",
+                     ev.version, len(missing), len(ev.nodes), why or "no reply")
+    rec = self.records[rnd] if rnd < len(self.records) else None
+    good = [r for r in run.replies if not r.has_error()]
+    errors = {str(r.metadata.src_node_id): r.error.reason or "error reply"
+              for r in run.replies if r.has_error()}
+    errors.update(run.refused)
+    try:
+        fed = self._eval_strategy().aggregate_evaluate(ev.version, good) if good else None
+    except Exception as exc:  # like the synchronous loop: the record says why, the run goes on
+        fed = None
+        errors["server-evaluate"] = (f"unexpected error in federated evaluation: "
+                                     f"{type(exc).__name__}: {exc}"[:400])
+        _log.error("version %d: %s", ev.version, errors["server-evaluate"])
+    if rec is None or rec.get("round") != rnd:
+        return
+    if fed is not None:
+        rec["federated_eval"] = {k: v for k, v in fed.items() if _finite_number(v)}
+    rec["federated_eval_sites"] = len(good)
+    if errors:
+        rec["federated_eval_errors"] = errors
+    if self.out is not None:
+        write_metrics(self.out, self.records)
+
+
+def _expire_evaluations(self: _AsyncRun, *, now: float | None = None, why: str = "") -> None:
+    """Close the evaluations past ``run.round_timeout`` with what they got."""
+    t = self.clock.now() if now is None else now
+    for rnd, ev in list(self.state.evaluations.items()):
+        if rnd in self.eval_runs and t >= ev.sent_at + self.job_timeout:
+            self._close_evaluation(rnd, why or f"no reply within run.round_timeout = "
+                                               f"{self.job_timeout:g} s")
+
+
+def _eval_targets(self: _AsyncRun) -> list[float]:
+    """When the loop must wake up for the evaluations: their timeouts and next reply."""
+    out = [ev.sent_at + self.job_timeout for r, ev in self.state.evaluations.items()
+           if r in self.eval_runs]
+    nxt = getattr(self.grid, "next_arrival", None)
+    if callable(nxt) and self.eval_flights:
+        t = nxt(list(self.eval_flights))
+        if t is not None:
+            out.append(float(t))
+    return out
+
+
+def _drain_evaluations(self: _AsyncRun) -> None:
+    """End of the run: wait for the evaluations in flight until their timeout (not past
+    ``asynchronous.max_seconds``), then drop what is still missing, with a log line."""
+    limit = self.cfg.asynchronous.max_seconds
+    while self.eval_flights:
+        for reply in self._pull(train=False):
+            kind = route_reply(reply, (), self.eval_flights)
+            if kind == "evaluate":
+                self._handle_evaluation(reply)
+            elif kind:
+                self._refuse_reply(reply)
+        now = self.clock.now()
+        if limit is not None and now >= limit:
+            left = sorted({f.round for f in self.eval_flights.values()})
+            _log.warning("end of the run (asynchronous.max_seconds = %g): dropping the "
+                         "federated evaluation in flight of record(s) %s", limit, left)
+            for rnd in left:
+                self._close_evaluation(rnd, "dropped at the end of the run")
+            return
+        self._expire_evaluations(why="dropped at the end of the run: no reply within "
+                                     f"run.round_timeout = {self.job_timeout:g} s")
+        if not self.eval_flights:
+            return
+        targets = self._eval_targets() + ([limit] if limit is not None else [])
+        self.clock.wait_until(min(targets), poll=self.cfg.asynchronous.poll)
+
+
+def _resend_evaluations(self: _AsyncRun) -> None:
+    """Resume: send the evaluations that were open at the checkpoint again (same sites, same
+    model, at their original time on a virtual clock)."""
+    now = self.clock.now()
+    for ev in sorted(self.state.evaluations.values(), key=lambda e: e.round):
+        try:
+            self.state.model_of(ev.version)
+        except KeyError:
+            self.state.close_evaluation(ev.round)
+            _log.warning("resume: the model of version %d is not in the checkpoint; its "
+                         "federated evaluation is skipped", ev.version)
+            continue
+        if isinstance(self.clock, VirtualClock):
+            self.clock.set(ev.sent_at)
+        self._send_evaluation(ev)
+    self.clock.set(now)
+    if self.state.evaluations:
+        _log.info("resume: %d federated evaluation(s) sent again",
+                  len(self.state.evaluations))
