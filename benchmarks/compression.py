@@ -131,6 +131,13 @@ VARIANTS = [
             ["strategy.name=secure", "secagg.ring_bits=12", "secagg.frac_bits=6", "secagg.clip=1",
              "secagg.weight_scale=1000",
              "compression.up=vote:0.0072,vote=0.005,block=128+ef"], secure=True),
+    # the same block vote with a sparser SecAgg+ graph: 6 neighbours (t = 4) instead of 15
+    # (t = 8) at 20 sites, i.e. fewer key shares per round (a weaker collusion bound)
+    Variant("secure12-blockvote-k6", "secure block vote, 12-bit ring, 6 SecAgg+ neighbours: "
+            "support 2.2 %, vote 1 % + EF",
+            ["strategy.name=secure", "secagg.ring_bits=12", "secagg.frac_bits=6", "secagg.clip=1",
+             "secagg.weight_scale=1000", "secagg.neighbours=6",
+             "compression.up=vote:0.0222,vote=0.01,block=64+ef"], secure=True),
     Variant("secure12-random", "secure sparse, 12-bit ring: random support 3 % + EF",
             ["strategy.name=secure", "secagg.ring_bits=12", "secagg.frac_bits=6", "secagg.clip=1",
              "secagg.weight_scale=1000",
