@@ -76,7 +76,10 @@ def _compiler() -> list[str]:
 
 
 def _build() -> tuple[ctypes.CDLL | None, str]:
-    source = _SOURCE.read_bytes()
+    try:  # a Flower app bundle (FAB) carries the .py files only: no source, no kernel
+        source = _SOURCE.read_bytes()
+    except OSError as exc:
+        return None, f"no kernel source ({type(exc).__name__})"
     cc = _compiler()
     tag = hashlib.sha256(source + " ".join(cc + _FLAGS).encode()).hexdigest()[:16]
     name = f"fold-{tag}-{platform.machine()}.so"
