@@ -162,11 +162,11 @@ def run_case(params: int, n: int, method: str) -> dict[str, object]:
     tiny = [(8, 64), (8,), (10, 8), (10,)]
     tiny_ref = [np.full(t, 0.01, np.float32) for t in tiny]
     if strategy is not None:
-        configure(strategy, tiny_ref)
+        configure(strategy, tiny_ref, 2)
     aggregate(method, tiny, 2, tiny_ref, strategy,
               [0.0])  # warm-up: lazy imports, first calls (and the Ray actors) before the baseline
     if strategy is not None:  # the round's global model, as the ServerApp holds it: baseline
-        configure(strategy, reference)
+        configure(strategy, reference, n)
     clock = [0.0]
     mem = PeakMemory()
     mem.start()
@@ -215,20 +215,24 @@ def aggregate(method: str, shapes: list[tuple[int, ...]], n: int,
     del record
 
 
-def configure(strategy, reference: list[np.ndarray]) -> None:  # type: ignore[no-untyped-def]
-    """``configure_train`` of round 1 with ``reference`` as the global model (the strategy
-    keeps read-only views on the record, which the ServerApp holds anyway)."""
+def configure(strategy, reference: list[np.ndarray], n: int) -> None:  # type: ignore[no-untyped-def]
+    """``configure_train`` of round 1 to ``n`` sites with ``reference`` as the global model
+    (the strategy keeps read-only views on the record, which the ServerApp holds anyway; it
+    learns that at most ``n`` replies come, as from a real round)."""
     from flwr.app import ConfigRecord
 
     from strategies.wire import arrays_to_record
 
     keys = [str(j) for j in range(len(reference))]
-    strategy.configure_train(1, arrays_to_record(reference, keys), ConfigRecord(), _Nodes())
+    strategy.configure_train(1, arrays_to_record(reference, keys), ConfigRecord(), _Nodes(n))
 
 
 class _Nodes:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
     def get_node_ids(self) -> list[int]:
-        return list(range(1, 1025))
+        return list(range(1, self.n + 1))
 
 
 def projected_gib(params: int, n: int, method: str) -> float:

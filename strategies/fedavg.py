@@ -160,6 +160,9 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
         self.last_accepted: list[int] = []
         self.last_site_metrics: dict[str, dict[str, float]] = {}
         self._global: tuple[list[str], list[np.ndarray]] | None = None
+        self._sent: tuple[int, int] | None = None
+        """``(round, train messages)`` of the last configure_train: at most that many updates
+        come back (the streamed guards keep aside fewer updates with it)."""
         self.shards = int(shards)
         self.stream_retain = int(stream_retain)
         self._sharded: Any = None  # the Ray actors, kept from round to round
@@ -211,6 +214,7 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
             return []
         config["server-round"] = server_round
         nodes = self.sample(grid, server_round, self.fraction_train, self.min_train_nodes)
+        self._sent = (server_round, len(nodes))  # at most this many updates come back
         _log.info("round %d: sampled %d sites", server_round, len(nodes))
         record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
         return self._construct_messages(record, nodes, MessageType.TRAIN)
@@ -313,8 +317,10 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
         keys, current = self._global
         self.last_guarded, self.last_capped = {}, {}
         acc = self._accumulator(current)
+        sent = self._sent
         stream = StreamRound(acc, self.guards, current, deltas=deltas, server_round=server_round,
-                             retain=self.stream_retain)
+                             retain=self.stream_retain,
+                             expected=sent[1] if sent and sent[0] == server_round else None)
         for update in updates:  # any iterable, consumed once: each update folded, then dropped
             stream.add(update)
             del update

@@ -223,11 +223,19 @@ class StreamRound:
         Updates kept per criterion for corrections.
     spill_dir : path, optional
         Where kept updates of at least 16 MiB are written (default: the system's temp dir).
+    expected : int, optional
+        The most updates the round can have (the train messages sent). With it, an update
+        the guards can no longer refuse or cap whatever else arrives
+        (:meth:`~fedagg.accumulate.RoundStatistics.settled`) is not kept aside: in a round of
+        honest sites, none is written after the first half. Should more updates come, nothing
+        more is skipped; a correction that then needs a skipped update refuses the round as
+        any missing correction does (never a wrong sum).
     """
 
     def __init__(self, accumulator: Folder, guards: UpdateGuards,
                  current: Sequence[np.ndarray], *, deltas: bool, server_round: int,
-                 retain: int = 2, spill_dir: str | None = None) -> None:
+                 retain: int = 2, spill_dir: str | None = None,
+                 expected: int | None = None) -> None:
         self.acc = accumulator
         self.guards = guards
         self.current = current
@@ -244,6 +252,9 @@ class StreamRound:
         guard has had its say."""
         self._needs_norms = guards.norm_outlier_factor > 0
         self._may_correct = guards.norm_outlier_factor > 0 or guards.max_weight_ratio > 0
+        self.expected = expected
+        self.skipped = 0
+        """Updates not kept aside because no whole-round decision could touch them."""
 
     def add(self, update: tuple[Sequence[TensorUpdate], float, dict[str, Any], int]) -> None:
         """Check the weight, fold the update, record its scalars (and keep it if it may need
@@ -285,8 +296,13 @@ class StreamRound:
             self.stats.add(node, float(w), norm)
             return
         self.stats.add(node, float(w), norm)
-        if self._may_correct:
-            self.retainer.offer(node, float(w), norm, tensors)
+        if self._may_correct and self.retainer.would_keep(node, float(w), norm):
+            if self.expected is not None and self.stats.settled(
+                    node, norm_factor=g.norm_outlier_factor, weight_ratio=g.max_weight_ratio,
+                    expected=self.expected, exclude=list(self.unfolded)):
+                self.skipped += 1
+            else:
+                self.retainer.offer(node, float(w), norm, tensors)
         self.meta.append((float(w), metrics, int(node_id)))
 
     def _reject(self, node: str, why: str) -> None:
@@ -341,6 +357,10 @@ class StreamRound:
                            "the streamed sum cannot be corrected, so the round is not "
                            "committed (global model unchanged). Fix: raise the strategy's "
                            "stream_retain, or turn the guard off")
+                if self.skipped and self.expected is not None \
+                        and len(self.stats) > self.expected:
+                    problem += (f" ({len(self.stats)} updates came for {self.expected} "
+                                "messages sent, so some were not kept)")
             return kept, weights, problem
         finally:
             self.retainer.close()

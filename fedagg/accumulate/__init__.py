@@ -28,7 +28,12 @@ from fedagg.accumulate.grid import (
 )
 from fedagg.accumulate.layout import Piece, ShardPlan
 from fedagg.accumulate.retain import DEFAULT_SPILL_BYTES, Retainer
-from fedagg.accumulate.stats import MEDIAN_MIN_UPDATES, RoundStatistics, delta_norm
+from fedagg.accumulate.stats import (
+    MEDIAN_MIN_UPDATES,
+    RoundStatistics,
+    delta_norm,
+    median_floor,
+)
 from fedagg.accumulate.weights import BUCKET_BITS, WeightBuckets
 
 __all__ = [
@@ -49,4 +54,5 @@ __all__ = [
     "delta_norm",
     "grid_exponents",
     "max_abs",
+    "median_floor",
 ]

@@ -29,7 +29,7 @@ from fedagg.accumulate.grid import BLOCK, Sparse, TensorUpdate
 from fedagg.aggregate import MEDIAN_MIN_UPDATES, cap_weights, norm_outliers
 from fedagg.errors import ConfigError, explain
 
-__all__ = ["MEDIAN_MIN_UPDATES", "RoundStatistics", "delta_norm"]
+__all__ = ["MEDIAN_MIN_UPDATES", "RoundStatistics", "delta_norm", "median_floor"]
 
 
 def delta_norm(update: Sequence[TensorUpdate],
@@ -81,6 +81,21 @@ def delta_norm(update: Sequence[TensorUpdate],
                     np.subtract(xb, r[s:s + block], out=b, dtype=np.float64, casting="unsafe")
                 total += float(np.dot(b, b))
     return math.sqrt(total) if total >= 0 else math.nan
+
+
+def median_floor(known: Sequence[float], unknown: int) -> float | None:
+    """A lower bound on the median of ``known`` and at most ``unknown`` more values.
+
+    The median (NumPy's: the mean of the two middle values for an even count) of ``m``
+    values is at least the ``(m // 2 + 1)``-th largest of any of them; with ``m`` at most
+    ``len(known) + unknown`` that is the ``(len(known) + unknown) // 2 + 1``-th largest of
+    ``known``. None when ``known`` has fewer values (the unknown ones could pull the median
+    down without bound).
+    """
+    need = (len(known) + unknown) // 2 + 1
+    if unknown < 0 or need > len(known):
+        return None
+    return float(np.partition(np.asarray(known, np.float64), len(known) - need)[len(known) - need])
 
 
 class RoundStatistics:
@@ -138,6 +153,67 @@ class RoundStatistics:
             return {}
         capped, over = cap_weights([self.weights[i] for i in keep], max_ratio)
         return {self.sites[keep[i]]: (self.weights[keep[i]], float(capped[i])) for i in over}
+
+    def settled(self, site: str | int, *, norm_factor: float, weight_ratio: float,
+                expected: int, exclude: Sequence[str] = ()) -> bool:
+        """Whether the whole-round guards can no longer refuse or cap ``site``'s update.
+
+        True when neither :meth:`norm_outliers` nor :meth:`capped_weights` can name the site
+        at the end of the round, whatever the replies still to come are, given that the round
+        has at most ``expected`` replies in all. Then the update never needs a correction and
+        need not be kept aside (:class:`~fedagg.accumulate.Retainer`).
+
+        The bound: a median of ``m`` values is at least the ``(m // 2 + 1)``-th largest of any
+        subset of them, so with the ``u`` values still unknown taken as ``-inf``, the median
+        at the end is at least that order statistic of the values known now (:func:`
+        median_floor`). A norm at most ``norm_factor`` x the floor of the median norm is never
+        an outlier. For the weights, whose median is taken over the updates that are not
+        refused, the updates that might still be refused (a non-finite norm, a norm above
+        ``norm_factor`` x the floor, the sites in ``exclude``) count as unknown too. The floors
+        only rise as replies arrive, so a settled site stays settled.
+
+        Parameters
+        ----------
+        site : str or int
+            A recorded site.
+        norm_factor, weight_ratio : float
+            The guards' ``norm_outlier_factor`` and ``max_weight_ratio`` (``<= 0``: off).
+        expected : int
+            The most replies the round can have (the messages sent); fewer may come.
+        exclude : sequence of str
+            Recorded sites that will be refused whatever their norm (e.g. out of the
+            accumulator's range).
+
+        Returns
+        -------
+        bool
+            False when unsure (including ``expected`` smaller than the replies recorded).
+        """
+        key = str(site)
+        i = self.sites.index(key)
+        unknown = expected - len(self)
+        if unknown < 0 or key in set(exclude):
+            return False
+        judged = len(self) + unknown >= MEDIAN_MIN_UPDATES  # else no median guard applies
+        norm, weight = self.norms[i], self.weights[i]
+        limit = math.inf
+        if norm_factor > 0:
+            if not math.isfinite(norm):
+                return False
+            if judged:
+                floor = median_floor([n for n in self.norms if math.isfinite(n)], unknown)
+                if floor is None:
+                    return False
+                limit = floor * float(norm_factor)
+                if not norm <= limit:
+                    return False
+        if weight_ratio <= 0 or not judged:
+            return True
+        skip = set(exclude)
+        sure = [w for s, w, n in zip(self.sites, self.weights, self.norms, strict=True)
+                if s not in skip and (norm_factor <= 0 or n <= limit)]
+        floor = median_floor(sure, len(self) + unknown - len(sure))
+        return floor is not None and weight <= floor * float(weight_ratio)
 
     def state_dict(self) -> dict[str, Any]:
         """Plain lists, for a checkpoint taken mid-round."""
