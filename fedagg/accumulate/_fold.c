@@ -143,3 +143,19 @@ double fedagg_sumsq_f32(const float *x, const float *r, int64_t n) {
     }
     return (ss[0] + ss[1]) + (ss[2] + ss[3]);
 }
+
+/* The mean of tensor elements [0, n) from the canonical limbs (fedagg/accumulate/exact_results.py
+ * mean()): v = hi * 2**31 + lo (hi NULL: v = lo) in float64, times 2**exponent (`scale`), divided
+ * by the total weight, rounded to the output type; the same operations in the same order as the
+ * NumPy path, so the same bits (hi * 2**31 is exact, so a fused multiply-add changes nothing).
+ * out_f32 or out_f64: exactly one is non-NULL. */
+void fedagg_mean(const int64_t *lo, const int64_t *hi, int64_t n, double scale, double total,
+                 float *out_f32, double *out_f64) {
+    for (int64_t i = 0; i < n; i++) {
+        double v = hi ? (double)hi[i] * 2147483648.0 + (double)lo[i] : (double)lo[i];
+        v *= scale;
+        v /= total;
+        if (out_f32) out_f32[i] = (float)v;
+        else out_f64[i] = v;
+    }
+}

@@ -39,7 +39,7 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = ["ENV", "PARALLEL_MIN", "THREADS_ENV", "available", "fold_f32", "fold_f32_parallel",
-           "sumsq_f32", "threads"]
+           "mean_into", "sumsq_f32", "threads"]
 
 _log = logging.getLogger(__name__)
 
@@ -109,6 +109,9 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         sq = lib.fedagg_sumsq_f32
         sq.restype = ctypes.c_double
         sq.argtypes = [_P, _P, _I]
+        mean = lib.fedagg_mean
+        mean.restype = None
+        mean.argtypes = [_P, _P, _I, ctypes.c_double, ctypes.c_double, _P, _P]
         return lib, ""
     return None, why
 
@@ -129,7 +132,11 @@ def _self_check() -> str:
         for w in (1.0, 3.0, -1.0, 7.0):
             acc.fold([x], w)
         out.append(acc._lo[0].copy())
-    return "" if np.array_equal(out[0], out[1]) else "its integers differ from the NumPy path"
+        out.append(acc.mean()[0])  # with the high limb in use (2**60 x 7)
+    if not all(np.array_equal(a, b) for a, b in zip(out[:2], out[2:], strict=True)) \
+            or out[1].dtype != out[3].dtype:
+        return "its integers or its mean differ from the NumPy path"
+    return ""
 
 
 def _library() -> ctypes.CDLL | None:
@@ -164,6 +171,37 @@ def sumsq_f32(x: npt.NDArray[Any], ref: npt.NDArray[Any] | None = None) -> float
         return None
     return float(lib.fedagg_sumsq_f32(x.ctypes.data, None if ref is None else ref.ctypes.data,
                                       x.size))
+
+
+def mean_into(lo: npt.NDArray[np.int64], hi: npt.NDArray[np.int64] | None, scale: float,
+              total: float, out: npt.NDArray[Any]) -> bool:
+    """Write ``(hi * 2**31 + lo) * scale / total`` into ``out`` (float32 or float64), threaded
+    over large tensors; False (nothing written) when the kernel does not apply."""
+    lib = _library()
+    if (lib is None or out.dtype not in (np.float32, np.float64) or not out.flags.c_contiguous
+            or not out.flags.writeable or lo.dtype != np.int64 or not lo.flags.c_contiguous
+            or lo.size != out.size or (hi is not None and (
+                hi.dtype != np.int64 or not hi.flags.c_contiguous or hi.size != out.size))):
+        return False
+    f32 = out.dtype == np.float32
+    n = out.size
+
+    def run(a: int, b: int) -> None:
+        o = out.ctypes.data + a * out.itemsize
+        lib.fedagg_mean(lo.ctypes.data + 8 * a, None if hi is None else hi.ctypes.data + 8 * a,
+                        b - a, scale, total, o if f32 else None, None if f32 else o)
+
+    parts = threads() if n >= PARALLEL_MIN else 1
+    cuts = [n * k // parts for k in range(parts + 1)]
+    if parts > 1:
+        futures = [_pool(parts - 1).submit(run, a, b)
+                   for a, b in itertools.pairwise(cuts[1:])]
+        run(cuts[0], cuts[1])
+        for f in futures:
+            f.result()
+    else:
+        run(0, n)
+    return True
 
 
 def threads() -> int:

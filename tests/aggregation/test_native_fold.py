@@ -182,3 +182,31 @@ def test_sparse_and_other_dtypes_use_the_numpy_path() -> None:
     for acc in (fast, ref):
         acc.fold(upd, 4.0)
     _same(fast, ref)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_native_mean_equals_the_numpy_mean(dtype: str, threads: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mean from the limbs in C (threaded over large tensors) has the NumPy path's bits,
+    with and without the high limb, for float32 and float64 tensors."""
+    monkeypatch.setenv(native.THREADS_ENV, threads)
+    rng = np.random.default_rng(7)
+    n = native.PARALLEL_MIN + 12345
+    x = (rng.normal(size=n) * 3).astype(np.float32)
+    fast, ref = _pair([TensorSpec((n,), dtype, -20)], block=4096)
+    for w in (1.0, 3.0, -1.0, 7.5):
+        fast.fold([x], w)
+        ref.fold([x], w)
+    assert fast._hi[0] is None
+    for a, b in zip(fast.mean(), ref.mean(), strict=True):
+        assert a.dtype == b.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(a, b)
+    big = np.full(5000, 2.0 ** 40, np.float32)
+    big[::7] = -(2.0 ** 39)
+    fast, ref = _pair([TensorSpec((5000,), dtype, 0)], block=1000)
+    for _ in range(40):  # beyond 2**62: carries into the high limb
+        fast.fold([big], 3e6)
+        ref.fold([big], 3e6)
+    assert fast._hi[0] is not None
+    _same(fast, ref)
