@@ -3,9 +3,10 @@
 A fold of a dense float32 tensor on the NumPy path (:meth:`fedagg.accumulate.Accumulator.fold`)
 takes six passes over each block: scale to float64, round, min, max, cast to int64, add; the
 round guards' delta norm (:func:`fedagg.accumulate.delta_norm`) reads the update once more.
-``_fold.c`` does all of it in one pass (read ``x`` and the reference, read-add-write the
-accumulator), ~3x faster on a 2-core VM (docs/benchmarks.md, "Server memory"). It computes
-the same integers bit for bit — its rounding argument is in the C file's header — and the
+The kernel (C source in :mod:`fedagg.accumulate._fold_c`) does all of it in one pass (read
+``x`` and the reference, read-add-write the accumulator), ~3x faster on a 2-core VM
+(docs/benchmarks.md, "Server memory"). It computes the same integers bit for bit — its
+rounding argument is in the source's header — and the
 same per-block bounds, and it hands any block the NumPy code treats specially (a non-finite
 value, carries into the high limb, a refusal) back to that code, untouched. Only the delta
 norm may differ in its last bits (another summation order).
@@ -38,6 +39,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from fedagg.accumulate._fold_c import SOURCE
+
 __all__ = ["ENV", "PARALLEL_MIN", "THREADS_ENV", "available", "fold_f32", "fold_f32_parallel",
            "mean_into", "sumsq_f32", "threads"]
 
@@ -52,7 +55,6 @@ THREADS_ENV = "FEDAGG_FOLD_THREADS"
 PARALLEL_MIN = 1 << 20
 """Tensors of at least this many elements are folded in :func:`threads` threads."""
 
-_SOURCE = Path(__file__).with_name("_fold.c")
 _FLAGS = ["-O3", "-fno-math-errno", "-shared", "-fPIC"]
 _lock = threading.RLock()  # the self-check folds through this module
 _state: dict[str, Any] = {}
@@ -76,10 +78,7 @@ def _compiler() -> list[str]:
 
 
 def _build() -> tuple[ctypes.CDLL | None, str]:
-    try:  # a Flower app bundle (FAB) carries the .py files only: no source, no kernel
-        source = _SOURCE.read_bytes()
-    except OSError as exc:
-        return None, f"no kernel source ({type(exc).__name__})"
+    source = SOURCE.encode()  # a Python string: it is in every copy of the package (FABs too)
     cc = _compiler()
     tag = hashlib.sha256(source + " ".join(cc + _FLAGS).encode()).hexdigest()[:16]
     name = f"fold-{tag}-{platform.machine()}.so"
@@ -91,13 +90,17 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
                 where.mkdir(parents=True, exist_ok=True, mode=0o700)
                 fd, tmp = tempfile.mkstemp(dir=where, suffix=".so")
                 os.close(fd)
+                fd, src = tempfile.mkstemp(dir=where, suffix=".c")
+                with os.fdopen(fd, "wb") as f:
+                    f.write(source)
                 try:
-                    subprocess.run([*cc, *_FLAGS, "-o", tmp, str(_SOURCE)], check=True,
+                    subprocess.run([*cc, *_FLAGS, "-o", tmp, src], check=True,
                                    capture_output=True, timeout=120)
                     os.replace(tmp, target)  # atomic: concurrent builders race harmlessly
                 finally:
-                    if os.path.exists(tmp):
-                        os.unlink(tmp)
+                    for path in (tmp, src):
+                        if os.path.exists(path):
+                            os.unlink(path)
             lib = ctypes.CDLL(str(target))
         except (OSError, subprocess.SubprocessError) as exc:
             err = getattr(exc, "stderr", b"") or b""
@@ -264,7 +267,7 @@ def fold_f32(x: npt.NDArray[np.float32], start: int, lo: npt.NDArray[np.int64], 
              bound: int, block: int, lo_max: int,
              ref: npt.NDArray[np.float32] | None = None, norm: int = 0
              ) -> tuple[int, int, float] | None:
-    """Fold ``x[start:] * c`` into ``lo`` block by block (see ``_fold.c``).
+    """Fold ``x[start:] * c`` into ``lo`` block by block (see :mod:`fedagg.accumulate._fold_c`).
 
     Returns ``(stop, bound, sumsq)``: the start of the first block left to the NumPy path
     (``x.size`` when none), the new bound and the sum of squares of the folded blocks (``norm``

@@ -1,4 +1,4 @@
-"""The native fold kernel (fedagg/accumulate/_fold.c) against the NumPy path: same integers.
+"""The native fold kernel (fedagg/accumulate/_fold_c.py) against the NumPy path: same integers.
 
 Oracle: the same accumulator folded with the kernel switched off (``_native_off``), which is
 the reference NumPy implementation of the grid scheme; and for the delta norm,
@@ -210,3 +210,32 @@ def test_native_mean_equals_the_numpy_mean(dtype: str, threads: str,
         ref.fold([big], 3e6)
     assert fast._hi[0] is not None
     _same(fast, ref)
+
+
+def test_kernel_builds_from_what_a_flower_app_bundle_carries(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A FAB (``flwr run``, deployment) keeps only the files Flower's built-in patterns allow
+    (.py, .toml, .md, ...): a copy of the package with just those still builds the kernel."""
+    from pathlib import Path
+
+    import pathspec
+    from flwr.common.constant import FAB_INCLUDE_PATTERNS
+
+    root = Path(__file__).resolve().parents[2]
+    spec = pathspec.PathSpec.from_lines("gitwildmatch", FAB_INCLUDE_PATTERNS)
+    files = [p for p in (root / "fedagg").rglob("*") if p.is_file()
+             and "__pycache__" not in p.parts
+             and spec.match_file(str(p.relative_to(root)))]
+    assert any(p.name == "_fold_c.py" for p in files)
+    for p in files:
+        dst = tmp_path / "app" / p.relative_to(root)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(p, dst)
+    code = ("from fedagg.accumulate import native; import fedagg; "
+            "print(native.available(), fedagg.__file__)")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "app"),
+           "FEDAGG_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop(native.ENV, None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, check=True, cwd=tmp_path)
+    ok, where = out.stdout.split()
+    assert where.startswith(str(tmp_path / "app")) and ok == "True", out.stderr

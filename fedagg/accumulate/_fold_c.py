@@ -1,4 +1,12 @@
-/* The streaming accumulator's dense float32 fold, one pass per block (fedagg/accumulate/native.py).
+"""The C source of the native fold kernel (:mod:`fedagg.accumulate.native` compiles it).
+
+Kept as a Python string, not a ``.c`` file, so that it travels wherever the package's
+Python files do: a Flower app bundle (FAB, ``flwr run`` / deployment) carries only
+``.py`` / ``.toml`` / ``.md`` / ... files, and a ServerApp started from one would otherwise
+have no kernel to build.
+"""
+
+SOURCE = r"""/* The streaming accumulator's dense float32 fold, one pass per block (fedagg/accumulate/native.py).
  *
  * Bit-identical to the NumPy path of fedagg.accumulate.exact.Accumulator._fold_tensor:
  * per element q = rint(x * c) in float64 (round half to even), acc += q in int64; per block of
@@ -159,3 +167,4 @@ void fedagg_mean(const int64_t *lo, const int64_t *hi, int64_t n, double scale, 
         else out_f64[i] = v;
     }
 }
+"""
