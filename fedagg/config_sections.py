@@ -48,9 +48,9 @@ class RunSection(_Section):
     fraction_evaluate: float = Field(
         0.0, ge=0.0, le=1.0,
         description="Fraction of sites asked to evaluate the global model on their held-out "
-        "split each round (federated evaluation; 0 = only the server's centralized evaluation; "
-        "Flower's FedAvg defaults to 1.0). Asynchronous modes: sites not training, every "
-        "run.evaluate_every records.",
+        "split every run.evaluate_every rounds and the last (federated evaluation; 0 = only "
+        "the server's centralized evaluation; Flower's FedAvg defaults to 1.0). Asynchronous "
+        "modes: sites not training, every run.evaluate_every records.",
     )
     min_sites: int = Field(
         1, ge=1, description="Fewer replying sites than this aborts the round (model unchanged)."
@@ -60,8 +60,8 @@ class RunSection(_Section):
     )
     output_dir: str = Field("runs", description="Directory under which runs/<id>/ is written.")
     evaluate_every: int = Field(
-        1, ge=1, description="Centralized evaluation every N rounds (and the last); in the "
-        "asynchronous modes also the federated evaluation."
+        1, ge=1, description="Centralized and federated evaluation every N rounds (and the "
+        "last); in the asynchronous modes every N records."
     )
     resume: str | None = Field(
         None,

@@ -29,9 +29,18 @@ of the last version), without stopping training:
   its version's model is kept while it is open) and is **sent again** after a resume, to the
   same sites with the same model, so the record gets the same metrics as without the kill.
 
-Evaluation never touches the training state (buffer, versions, dispatch counters, the bytes
-of the records), so the versions of a run are the same with and without it for the same
-arrival order of train replies (tests/asynchronous/test_async_evaluate.py).
+* **no overlap** — a site evaluating is not sent a train job (nor put in a cohort) until its
+  evaluate reply is back (:func:`_evaluating`): Flower's simulation engine would run both at
+  once and keep the Context of whichever finished last, so a long evaluation could undo the
+  train job's error-feedback residuals or a cohort's keys. The loop makes its seeded choices
+  as before; a job for an evaluating site is held and sent when the reply (or the
+  evaluation's timeout) comes, a cohort with such a member is opened then.
+
+Evaluation never touches the training state otherwise (buffer, versions, the bytes of the
+records). It can change the trajectory only through that wait, which delays a job by the
+rest of its site's evaluation (tests/asynchronous/test_async_evaluate.py checks that no site
+ever has both messages in flight, and that with evaluations answered at once the versions
+are those of the run without them).
 
 Methods of :class:`server.asynchronous._AsyncRun`, defined here and bound in its class body.
 """
@@ -171,6 +180,18 @@ def _evaluate_version(self: _AsyncRun, rec: dict[str, Any]) -> None:
     if not nodes:
         return
     self._send_evaluation(self.state.open_evaluation(rnd, nodes, self.clock.now()))
+
+
+def _evaluating(self: _AsyncRun) -> set[int]:
+    """Nodes with an evaluate message in flight: no train job or cohort is sent to them
+    until it is back.
+
+    Flower's simulation engine runs two messages of one node at once and then stores the
+    Context of whichever finishes last: an evaluation outlasting a train job would put back
+    the Context that job started from (its error-feedback residuals, a new cohort's SecAgg+
+    keys). A SuperNode in deployment runs one message at a time anyway.
+    """
+    return {int(f.message.metadata.dst_node_id) for f in self.eval_flights.values()}
 
 
 def _send_evaluation(self: _AsyncRun, ev: Evaluation) -> None:

@@ -167,6 +167,7 @@ def _resume(self: _AsyncRun) -> None:
             self.state.arrive(j.job)  # the protocol state is not checkpointed: re-key
         self.state.cohorts[c.cohort] = dataclasses.replace(c, attempt=c.attempt + 1)
         replays.append((c.started_at, -c.cohort, c.cohort))
+    self._resend_evaluations()  # first: a job of a site that evaluates waits for its reply
     for t, _, item in sorted(replays, key=lambda x: (x[0], x[1] if x[1] > 0 else 0)):
         if isinstance(self.clock, VirtualClock):
             self.clock.set(t)  # the same arrival times as before the crash
@@ -180,7 +181,6 @@ def _resume(self: _AsyncRun) -> None:
         else:
             self._send_cohort(int(item))
     self.clock.set(now)
-    self._resend_evaluations()
     self.tally = _Tally(t0=self.records[-1].get("time", now) if self.records else now)
     _log.info("resuming asynchronous run at version %d (%d dispatches sent again)",
               self.state.version, len(self.flights))

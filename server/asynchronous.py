@@ -148,6 +148,7 @@ class _AsyncRun:
         self._records_of: dict[int, ArrayRecord] = {}
         self._eval = self._evaluator(evaluate_fn, model_fn)
         self.eval_flights: dict[str, _EvalFlight] = {}  # federated evaluation (async_evaluate)
+        self.held: dict[int, Job] = {}  # train jobs waiting for their site's evaluation
         self.eval_runs: dict[int, _EvalRun] = {}
         self._eval_with: Any = None
 
@@ -166,6 +167,7 @@ class _AsyncRun:
     _close_evaluation = async_evaluate._close_evaluation
     _expire_evaluations = async_evaluate._expire_evaluations
     _eval_targets = async_evaluate._eval_targets
+    _evaluating = async_evaluate._evaluating
     _drain_evaluations = async_evaluate._drain_evaluations
     _resend_evaluations = async_evaluate._resend_evaluations
 
@@ -219,7 +221,11 @@ class _AsyncRun:
         self.flights[mid] = _Flight(job, strategy, message)
 
     def _send_job(self, job: Job) -> None:
-        """Build (with a fresh FedAvg / Compressed) and push the train message of ``job``."""
+        """Build (with a fresh FedAvg / Compressed) and push the train message of ``job``;
+        held while its site evaluates (sent by :meth:`_release_held`)."""
+        if job.node in self._evaluating():
+            self.held[job.job] = job
+            return
         strategy = job_strategy(self.cfg)
         config = config_with_round(client_config(self.cfg), job.server_round)
         msgs = list(strategy.configure_train(job.server_round, self._record(job.version), config,
@@ -231,11 +237,26 @@ class _AsyncRun:
 
     _send_cohort = async_cohorts._send_cohort
 
+    def _release_held(self) -> None:
+        """Send the held train jobs whose site no longer evaluates."""
+        if not self.held:
+            return
+        evaluating = self._evaluating()
+        for jid, job in sorted(self.held.items()):
+            if job.node not in evaluating:
+                del self.held[jid]
+                self._send_job(job)
+
     def _nodes(self) -> list[int]:
         return sorted(int(n) for n in self.grid.get_node_ids())
 
     def _fill(self) -> None:
-        """FedBuff: dispatch the newest model to free sites until ``C`` are busy."""
+        """FedBuff: dispatch the newest model to free sites until ``C`` are busy.
+
+        A site whose evaluation is still in flight (:func:`server.async_evaluate._evaluating`)
+        gets its train job once the evaluate reply is back (:meth:`_send_job` holds it); a
+        cohort with such a member is opened only then, with the same seeded choice.
+        """
         if self.mode != "fedbuff" or self.done:
             return
         while True:
@@ -248,8 +269,10 @@ class _AsyncRun:
                 active = sum(len(c.members) for c in self.state.cohorts.values())
                 if len(free) < k or active + k > self.concurrency:
                     return
-                cohort = self.state.open_cohort(self.state.choose(free, k, "cohort"),
-                                                self.clock.now())
+                pick = self.state.choose(free, k, "cohort")
+                if set(pick) & self._evaluating():
+                    return
+                cohort = self.state.open_cohort(pick, self.clock.now())
                 self._send_cohort(cohort.cohort)
             else:
                 if not free or len(busy) >= self.concurrency:
@@ -438,6 +461,7 @@ class _AsyncRun:
             if self.done:
                 break
             self._expire()
+            self._release_held()
             self._deadline()
             self._fill()
             if self.done:

@@ -391,12 +391,13 @@ def run_server(
             "loss": None,
             "model_digest": model_digest(arrays),
         }
-        if rnd % cfg.run.evaluate_every == 0 or rnd == cfg.run.rounds:
+        due = rnd % cfg.run.evaluate_every == 0 or rnd == cfg.run.rounds
+        if due:
             loss, acc = evaluated(arrays)
             rec.update(accuracy=acc, loss=loss)
-        try:
+        try:  # federated evaluation on the same rounds as the centralized one
             fed = run_evaluate_round(strategy, grid, rnd, arrays, client_config(cfg),
-                                     round_deadline(cfg, rnd))
+                                     round_deadline(cfg, rnd)) if due else None
         except Exception as exc:  # like training: the round's record says why, the run goes on
             fed = None
             result.errors["server-evaluate"] = (f"unexpected error in federated evaluation: "

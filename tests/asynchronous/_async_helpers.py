@@ -113,10 +113,10 @@ def config(n: int, *overrides: str) -> RunConfig:
 
 
 def run(cfg: RunConfig, speed: SpeedModel, *, app: ClientApp | None = None,
-        drop: Sequence[int] = (), run_dir: Any = None
+        drop: Sequence[int] = (), run_dir: Any = None, grid_cls: type[DelayedGrid] = DelayedGrid
         ) -> tuple[list[dict[str, Any]], list[list[np.ndarray]], DelayedGrid]:
     """Run the asynchronous loop on a DelayedGrid; records and the model of every record."""
-    grid = DelayedGrid(app or fake_app(), cfg.run.sites, speed=speed, seed=3)
+    grid = grid_cls(app or fake_app(), cfg.run.sites, speed=speed, seed=3)
     grid.drop = {grid.node_ids[i] for i in drop}  # node ids are sorted: partition i = index i
     models: list[list[np.ndarray]] = []
 

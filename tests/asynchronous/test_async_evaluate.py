@@ -4,7 +4,8 @@ On a DelayedGrid with a virtual clock, the deterministic ClientApp of ``_async_h
 reports ``eval_loss = sum |w| + site`` for the model it was sent, so the oracle of every
 recorded ``federated_eval`` is the example-weighted mean over the sites that evaluated that
 version. Evaluation must not change the training trajectory: the versions, times and bytes of
-a run with it equal those of the same run without it.
+a run with it equal those of the same run without it when evaluations are answered at once
+(and no site is ever sent a train job while it evaluates).
 """
 
 from __future__ import annotations
@@ -96,13 +97,57 @@ def test_idle_sample_takes_a_seeded_choice_among_idle_sites_only() -> None:
 
 
 # -- the loop ------------------------------------------------------------------------------------------
+class _WatchGrid(DelayedGrid):
+    """A DelayedGrid that fails the run if a node is sent a message of one kind (train /
+    evaluate) while one of the other kind is in flight to it, and counts the evaluations
+    sent: Flower's simulation engine would run both and keep the later Context."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.kinds: dict[str, tuple[int, str]] = {}
+        self.evaluations = 0
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        messages = list(messages)
+        ids = list(super().push_messages(messages))
+        for m, mid in zip(messages, ids, strict=True):
+            node, kind = m.metadata.dst_node_id, str(m.metadata.message_type).split(".")[0]
+            other = {k for n, k in self.kinds.values() if n == node} - {kind}
+            assert not other, f"node {node}: {kind} sent while {other} is in flight"
+            self.kinds[mid] = (node, kind)
+            self.evaluations += kind == "evaluate"
+        return ids
+
+    def pull_due(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        out = list(super().pull_due(message_ids))
+        for r in out:
+            self.kinds.pop(r.metadata.reply_to_message_id, None)
+        return out
+
+
+@pytest.mark.parametrize("extra", [
+    ("run.fraction_evaluate=0.6",),
+    ("asynchronous.concurrency=4", "run.fraction_evaluate=1.0"),
+    ("run.rounds=4", "asynchronous.mode='deadline'", "asynchronous.deadline=12",
+     "run.fraction_train=0.6", "run.fraction_evaluate=1.0"),
+])
+def test_no_site_is_sent_a_train_job_while_it_evaluates(extra: tuple[str, ...]) -> None:
+    """With evaluate replies that take as long as a train job, a site evaluating is not
+    dispatched (the fill waits for its reply); the run completes and evaluates."""
+    slow = SpeedModel(seed=1, job_seconds=10.0, sigma=0.8, site_sigma=0.5, latency=4.0)
+    recs, _, grid = run(_cfg(*extra), slow, grid_cls=_WatchGrid)
+    assert isinstance(grid, _WatchGrid) and grid.evaluations >= 2
+    assert len(recs) - 1 == 4 if "deadline" in " ".join(extra) else len(recs) - 1 == 5
+    assert sum(1 for r in recs if r.get("federated_eval")) >= 2
+
+
 def test_evaluation_is_recorded_and_does_not_change_the_versions(
         caplog: pytest.LogCaptureFixture) -> None:
     base, _, _ = run(_cfg(), SPEED)
     evaluated: list[tuple[int, int, list[np.ndarray]]] = []
     with caplog.at_level(logging.INFO, logger="server.asynchronous"):
         recs, _, _ = run(_cfg("run.fraction_evaluate=1.0", "run.evaluate_every=2"), SPEED,
-                         app=fake_app(evaluated=evaluated))
+                         app=fake_app(evaluated=evaluated), grid_cls=_WatchGrid)
     assert _training(recs) == _training(base)
     assert [r["round"] for r in recs if "federated_eval" in r] == [2, 4, 5]  # and the last
     assert not any("federated_eval" in r for r in base)
@@ -186,13 +231,16 @@ class _SilentEvalGrid(DelayedGrid):
 
 def test_evaluations_in_flight_at_the_end_are_waited_for_then_dropped(
         caplog: pytest.LogCaptureFixture) -> None:
+    """Evaluations that never reply: their sites get train jobs again only after the
+    evaluation's run.round_timeout (a site never has both in flight), the run completes."""
     cfg = _cfg("run.fraction_evaluate=1.0", "run.round_timeout=30")
     base, _, _ = run(_cfg("run.round_timeout=30"), SPEED)
     grid = _SilentEvalGrid(fake_app(), N, speed=SPEED, seed=3)
     with caplog.at_level(logging.WARNING, logger="server.asynchronous"):
         recs = run_async_server(grid, cfg, None, model_fn=tiny_model,
                                 evaluate_fn=lambda rec: (0.0, 0.0))
-    assert _training(recs) == _training(base)
+    assert len(recs) == len(base) and all(r["model_updated"] for r in recs[1:])
+    assert recs[-1]["time"] > base[-1]["time"]  # the held sites waited for the timeouts
     assert not any("federated_eval" in r for r in recs)
     sent = [r for r in recs if "federated_eval_sites" in r]
     assert sent and all(r["federated_eval_sites"] == 0 for r in sent)
