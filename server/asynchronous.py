@@ -386,7 +386,8 @@ class _AsyncRun:
             self._start_round()
             self._checkpoint()
             return
-        mine = any(f.job.server_round == st.round for f in self.flights.values())
+        mine = any(f.job.server_round == st.round for f in self.flights.values()) or any(
+            j.server_round == st.round for j in self.held.values())  # held: sent after its eval
         sent = any(v == st.round for v in st.site_rounds.values())
         over = self.clock.now() >= st.round_started + self.cfg.asynchronous.deadline
         if not over and (mine or not sent):
