@@ -162,8 +162,8 @@ def run_case(params: int, n: int, method: str) -> dict[str, object]:
     tiny = [(8, 64), (8,), (10, 8), (10,)]
     tiny_ref = [np.full(t, 0.01, np.float32) for t in tiny]
     if strategy is not None:
-        configure(strategy, tiny_ref, 2)
-    aggregate(method, tiny, 2, tiny_ref, strategy,
+        configure(strategy, tiny_ref, 3)
+    aggregate(method, tiny, 3, tiny_ref, strategy,
               [0.0])  # warm-up: lazy imports, first calls (and the Ray actors) before the baseline
     if strategy is not None:  # the round's global model, as the ServerApp holds it: baseline
         configure(strategy, reference, n)
