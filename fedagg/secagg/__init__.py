@@ -14,6 +14,7 @@ from fedagg.secagg.client import ClientStage, ClientState
 from fedagg.secagg.local import LocalFederation, deterministic_random_bytes, run_local
 from fedagg.secagg.messages import (
     CIPHERTEXT_BYTES,
+    INLINE_BYTES,
     PROTOCOL_VERSION,
     KeyAdvertise,
     KeyAdvertiseRequest,
@@ -31,6 +32,7 @@ from fedagg.secagg.server import RoundResult, ServerStage, ServerState
 
 __all__ = [
     "CIPHERTEXT_BYTES",
+    "INLINE_BYTES",
     "PROTOCOL_VERSION",
     "ClientStage",
     "ClientState",

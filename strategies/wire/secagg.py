@@ -4,8 +4,10 @@ The Flower-free core (:mod:`fedagg.secagg`) speaks plain dicts of ``int | bytes 
 Here they become records of a Flower :class:`~flwr.app.RecordDict`:
 
 * ints and bytes -> one :class:`~flwr.app.ConfigRecord` under :data:`CONFIG_KEY`;
-* numpy arrays (the masked ``uint32`` vector, id lists as ``int64``, share rows) -> one
-  :class:`~flwr.app.ArrayRecord` under :data:`ARRAYS_KEY`. Flower ships every array of an
+* numpy arrays -> one :class:`~flwr.app.ArrayRecord` under :data:`ARRAYS_KEY`, present only
+  when the message has one: since wire version 3 that is only the masked ``uint32`` vector of
+  an upload (id lists, generations and share rows are ``bytes`` records of the core, so a
+  message pays no ~0.45 kB of array framing for each). Flower ships every array of an
   ArrayRecord as content-addressed chunks of at most 5 MiB, so a large masked vector is
   chunked on the wire, never inlined in a ConfigRecord;
 * the public protocol parameters -> a ConfigRecord under :data:`PARAMS_KEY`.
@@ -107,10 +109,14 @@ def dict_from_records(config: ConfigRecord, arrays: ArrayRecord, *, copy: bool =
 
 
 def pack(content: RecordDict, message: SecAggMessage) -> RecordDict:
-    """Add ``message`` to ``content`` (under :data:`CONFIG_KEY` / :data:`ARRAYS_KEY`)."""
+    """Add ``message`` to ``content`` (under :data:`CONFIG_KEY`, and :data:`ARRAYS_KEY` when it
+    has an array: an empty ArrayRecord would still cost 168 bytes on the wire)."""
     config, arrays = dict_to_records(message.to_dict())
     content[CONFIG_KEY] = config
-    content[ARRAYS_KEY] = arrays
+    if len(arrays):
+        content[ARRAYS_KEY] = arrays
+    elif ARRAYS_KEY in content:
+        del content[ARRAYS_KEY]
     return content
 
 
@@ -123,11 +129,11 @@ def unpack(content: RecordDict, cls: type[M]) -> M:
         The records are missing or do not hold a valid ``cls`` message.
     """
     config = content.config_records.get(CONFIG_KEY)
-    arrays = content.array_records.get(ARRAYS_KEY)
-    if config is None or arrays is None:
+    arrays = content.array_records.get(ARRAYS_KEY, ArrayRecord({}))
+    if config is None:
         raise ProtocolError(explain("message content", sorted(content.keys()),
-                                    f"must hold {CONFIG_KEY!r} and {ARRAYS_KEY!r}",
-                                    "send a fedagg secure-aggregation message"))
+                                    f"must hold {CONFIG_KEY!r} (and {ARRAYS_KEY!r} for an "
+                                    "upload)", "send a fedagg secure-aggregation message"))
     return cls.from_dict(dict_from_records(config, arrays, copy=False))
 
 

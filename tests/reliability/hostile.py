@@ -329,16 +329,42 @@ CT_FIELDS = ("ciphertexts", "b_ciphertexts", "next_ciphertexts")
 SHARE_FIELDS = ("b_shares", "s_shares")
 
 
+ID_FIELDS = ("roster", "neighbours", "recipients", "b_recipients", "next_recipients",
+             "b_owners", "s_owners")
+INLINE = "__inline__"  # fields the honest reply sent as bytes records (wire version 3)
+
+
 def _secagg(content: RecordDict) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The reply's protocol fields; the masked vector and share rows as uint32 arrays to forge
+    on (sent inline as bytes records since wire version 3, unless the vector is large)."""
     cfg = dict(content.config_records[CONFIG_KEY])
-    arrs = {k: v.numpy() for k, v in content.array_records[ARRAYS_KEY].items()}
+    rec = content.array_records.get(ARRAYS_KEY)
+    arrs = {k: v.numpy() for k, v in rec.items()} if rec is not None else {}
+    inline = []
+    for key in ("masked", *SHARE_FIELDS):
+        if isinstance(cfg.get(key), bytes):
+            words = np.frombuffer(cfg.pop(key), "<u4").astype(np.uint32)
+            arrs[key] = words.reshape(-1, shamir.NUM_LIMBS) if key != "masked" else words
+            inline.append(key)
+    cfg[INLINE] = inline
     return cfg, arrs
 
 
 def _pack(cfg: dict[str, Any], arrs: dict[str, np.ndarray]) -> RecordDict:
-    return RecordDict({CONFIG_KEY: ConfigRecord(cfg),
-                       ARRAYS_KEY: ArrayRecord({k: Array(np.ascontiguousarray(v))
-                                                for k, v in arrs.items()})})
+    """Back into records: an inline field of uint32 words as bytes again (any other dtype, as a
+    hostile site may send it, as an array); the rest as arrays."""
+    cfg = dict(cfg)
+    inline = cfg.pop(INLINE, [])
+    arrays = {}
+    for k, v in arrs.items():
+        if k in inline and v.dtype == np.uint32:
+            cfg[k] = np.ascontiguousarray(v, "<u4").tobytes()
+        else:
+            arrays[k] = Array(np.ascontiguousarray(v))
+    out = RecordDict({CONFIG_KEY: ConfigRecord(cfg)})
+    if arrays:
+        out[ARRAYS_KEY] = ArrayRecord(arrays)
+    return out
 
 
 HOSTILE_SCALARS: list[Any] = [-1, 2**62, 3, 0, 1.5, float("nan"), "2", b"\x02", [2, 2], True]
@@ -346,10 +372,10 @@ HOSTILE_SCALARS: list[Any] = [-1, 2**62, 3, 0, 1.5, float("nan"), "2", b"\x02", 
 
 def forge_secure(rng: np.random.Generator, content: RecordDict, rnd: int) -> Forged:
     """One hostile secure-aggregation reply (advertise, share-keys, upload or unmask)."""
-    if CONFIG_KEY not in content.config_records or ARRAYS_KEY not in content.array_records:
+    if CONFIG_KEY not in content.config_records:
         return None, "rejected"
     cfg, arrs = _secagg(content)
-    kind = int(rng.integers(16))
+    kind = int(rng.integers(17))
     LAST_KIND[0] = f"secure-{kind}"
     if kind == 0:  # the wire version: another number, a float, a string, a list
         cfg["secagg_version"] = HOSTILE_SCALARS[int(rng.integers(len(HOSTILE_SCALARS)))]
@@ -411,18 +437,37 @@ def forge_secure(rng: np.random.Generator, content: RecordDict, rnd: int) -> For
         cfg[keys[int(rng.integers(len(keys)))]] = LOW_ORDER[int(rng.integers(len(LOW_ORDER)))]
         return _pack(cfg, arrs), "rejected"
     if kind == 13:  # a float, a string or a list where ints and bytes belong
-        key = sorted(cfg)[int(rng.integers(len(cfg)))]
+        key = sorted(k for k in cfg if k != INLINE)[int(rng.integers(len(cfg) - 1))]
         cfg[key] = [float("nan"), "x", [1.0, 2.0], 1e308][int(rng.integers(4))]
         return _pack(cfg, arrs), "rejected"
     if kind == 14:  # records missing, or an array whose header claims terabytes
-        rec = ArrayRecord(dict(content.array_records[ARRAYS_KEY].items()))
-        if rng.random() < 0.5 or not len(rec):
-            return RecordDict({CONFIG_KEY: ConfigRecord(cfg)}), "rejected"
+        original = content.array_records.get(ARRAYS_KEY)
+        if rng.random() < 0.5 or original is None or not len(original):
+            if original is not None and len(original) and rng.random() < 0.5:
+                return RecordDict({ARRAYS_KEY: original}), "rejected"  # no protocol fields
+            return RecordDict(), "rejected"
+        rec = ArrayRecord(dict(original.items()))
         name = sorted(rec.keys())[0]
         a = rec[name]
         rec[name] = _raw_array(a, a.data[:-1] if len(a.data) > 1 else b"\x93NUMPY")
-        out = RecordDict({CONFIG_KEY: ConfigRecord(cfg), ARRAYS_KEY: rec})
-        return out, "rejected"
+        honest = dict(content.config_records[CONFIG_KEY])
+        return RecordDict({CONFIG_KEY: ConfigRecord(honest), ARRAYS_KEY: rec}), "rejected"
+    ids = [k for k in ID_FIELDS if isinstance(cfg.get(k), bytes) and cfg[k]]
+    if kind == 15 and ids:  # id-list records: cut mid-record, an id >= 2^31 - 2, a duplicate
+        key = ids[int(rng.integers(len(ids)))]
+        words = np.frombuffer(cfg[key], "<u4").copy()
+        how = int(rng.integers(3))
+        if how == 0:
+            cfg[key] = cfg[key][:-1 - int(rng.integers(3))]
+        elif how == 1:
+            words[int(rng.integers(words.size))] = 2**31 - 2 + int(rng.integers(2**31 + 2))
+            cfg[key] = words.tobytes()
+        elif words.size > 1:
+            words[0] = words[-1]
+            cfg[key] = words.tobytes()
+        else:
+            cfg[key] = words.tobytes() * 2
+        return _pack(cfg, arrs), "rejected"
     return None, "rejected"  # an error reply
 
 

@@ -416,6 +416,9 @@ def _mutate(msg: Any, data: st.DataObject) -> Any:
     d = msg.to_dict()
     for field in data.draw(st.lists(st.sampled_from(sorted(kinds)), min_size=1, max_size=2)):
         value = d[field]
+        if kinds[field] in ("ids", "gens", "shares", "u32"):  # bytes records on the wire (v3)
+            dtype = np.int64 if kinds[field] in ("ids", "gens") else np.uint32
+            value = np.asarray(getattr(msg, field), dtype)  # from_dict takes arrays as well
         if isinstance(value, np.ndarray) and value.dtype == np.uint32:
             noise = data.draw(st.integers(0, shamir.PRIME - 1))
             d[field] = ((value.astype(np.int64) + noise) % shamir.PRIME).astype(np.uint32)
@@ -473,8 +476,14 @@ def test_a_hostile_site_never_crashes_the_server(stage: str, data: st.DataObject
     ups = updates(11, n, DIM)
     try:
         res = net.round(1, ups, upload=hook("upload"), respond=hook("unmask"))
-    except (AbortRound, VerificationError):
-        assert net.server.blamed_sites == (hostile,)
+    except (AbortRound, VerificationError) as exc:
+        if "total weight" in str(exc):
+            # a garbled masked vector (any words pass the parser) makes the unmasked sum
+            # garbage, here with a weight <= 0: the round is refused as a whole, and no one can
+            # be blamed for it, since the server learns only the sum
+            assert stage == "upload", exc
+        else:
+            assert net.server.blamed_sites == (hostile,)
     else:
         honest = [i for i in res.counted if i != hostile]
         assert set(honest) == set(range(n)) - {hostile}

@@ -22,6 +22,7 @@ from clients.protocol import SECAGG_STATE_CONFIG as STATE_CONFIG_KEY
 from fedagg.config import RunConfig, load_config
 from fedagg.data import load_dataset
 from fedagg.models import build_model
+from fedagg.secagg import INLINE_BYTES, MaskedUpload
 from fedagg.secagg.packing import packed_words
 from fedagg.secagg.packing import unpack as unpack_bits
 from server.inprocess import InProcessGrid, nodes_by_partition
@@ -29,7 +30,14 @@ from server.runner import client_config
 from strategies.base import RoundResult, run_train_round
 from strategies.registry import build_strategy
 from strategies.secure import SecureAggregation
-from strategies.wire import ARRAYS_KEY, CONFIG_KEY, PARAMS_KEY, arrays_to_record, record_to_arrays
+from strategies.wire import (
+    ARRAYS_KEY,
+    CONFIG_KEY,
+    PARAMS_KEY,
+    arrays_to_record,
+    record_to_arrays,
+    unpack,
+)
 
 BASE = ["run.sites=5", "train.local_epochs=1", "data.max_train_examples=300",
         "secagg.weight_scale=300"]
@@ -147,8 +155,10 @@ def test_site_reply_holds_only_the_masked_upload_and_secrets_stay_local(
     dim = sum(a.size for a in record_to_arrays(_initial(cfg))[1])
     assert result.arrays is not None and len(replies) == 5
     for reply in replies:
-        assert set(reply.content.keys()) == {CONFIG_KEY, ARRAYS_KEY}  # no weights, no metrics
-        masked = reply.content.array_records[ARRAYS_KEY]["masked"].numpy()
+        masked = unpack(reply.content, MaskedUpload).masked
+        # no weights, no metrics; the masked words inline unless over INLINE_BYTES (wire 3)
+        big = masked.nbytes > INLINE_BYTES
+        assert set(reply.content.keys()) == ({CONFIG_KEY, ARRAYS_KEY} if big else {CONFIG_KEY})
         bits = secure.last_result.ring_bits
         assert bits < 32  # the auto ring is narrower than fp32 here, and packed on the wire
         assert masked.dtype == np.uint32 and masked.size == packed_words(dim + 1, bits)
@@ -159,8 +169,11 @@ def test_site_reply_holds_only_the_masked_upload_and_secrets_stay_local(
         secret = ctx.state.config_records[STATE_CONFIG_KEY]["s_secret"]
         assert isinstance(secret, bytes) and len(secret) == 32
         assert secret.hex() not in caplog.text and repr(secret) not in caplog.text
-    # the masked upload per site: 4 bytes per value + a fixed overhead (keys, shares, headers)
+    # the masked upload per site: 4 bytes per packed word + a fixed overhead (keys, shares,
+    # headers); the words are over INLINE_BYTES here, so they travel as an array
     up = secure.history_log[-1]["bytes_up"]  # the wrapper's own exchanges
     assert set(up) == {"setup", "unmask"}
     upload = (result.bytes_up - up["setup"] - up["unmask"]) / 5  # the train replies
-    assert 4 * dim < upload <= 4 * dim + 4096  # measured: 4 * dim + ~2.3 KB
+    words = 4 * packed_words(dim + 1, bits)
+    assert words > INLINE_BYTES
+    assert words < upload <= words + 2048, upload - words  # measured: words + 1,823 B (5 sites)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
@@ -10,6 +12,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 from fedagg.config import SecAggConfig, load_config
 from fedagg.errors import ConfigError, ProtocolError
 from fedagg.secagg import (
+    INLINE_BYTES,
     ClientState,
     KeyAdvertise,
     KeyAdvertiseRequest,
@@ -23,6 +26,7 @@ from fedagg.secagg import (
     UnmaskResponse,
     deterministic_random_bytes,
 )
+from fedagg.secagg.shamir import NUM_LIMBS
 from server.inprocess import wire_roundtrip
 from strategies.registry import build_strategy
 from strategies.secure import flatten_arrays, resolve_params, unflatten_like
@@ -100,16 +104,71 @@ def test_every_protocol_message_survives_flower_records_and_wire() -> None:
     assert result.dropped == (3,)
 
 
-def test_masked_vector_is_a_uint32_array_record_not_config() -> None:
+def test_small_masked_vector_and_id_lists_travel_as_bytes_records() -> None:
+    """Wire version 3: only a masked vector over INLINE_BYTES is an array; id lists are 4-byte
+    little-endian records, share rows 9 x 4 bytes, and a message without an array has no
+    ArrayRecord at all (each array would add ~0.45 kB of framing, an empty record 168 bytes)."""
     up = MaskedUpload(site=1, epoch=1, round=1, masked=np.arange(10, dtype=np.uint32),
                       b_commitment=b"c" * 32, b_recipients=(0, 2), b_ciphertexts=b"x" * 136,
                       next_gen=1, next_s_public=b"p" * 32, next_recipients=(0, 2),
                       next_ciphertexts=b"y" * 136)
     content = pack(RecordDict(), up)
-    arrays = content.array_records[ARRAYS_KEY]
-    assert arrays["masked"].numpy().dtype == np.uint32
+    assert set(content.keys()) == {CONFIG_KEY}
+    config = content.config_records[CONFIG_KEY]
+    assert config["masked"] == np.arange(10, dtype="<u4").tobytes()
+    assert config["b_recipients"] == np.array([0, 2], "<u4").tobytes()
+    assert isinstance(config["b_ciphertexts"], bytes)
+    back = unpack(content, MaskedUpload)
+    assert back.masked.dtype == np.uint32 and back.b_recipients == (0, 2)
+    np.testing.assert_array_equal(back.masked, np.arange(10))
+    shares = np.arange(18, dtype=np.uint32).reshape(2, NUM_LIMBS)
+    resp = UnmaskResponse(site=1, epoch=1, round=1, b_owners=(3, 4), b_shares=shares,
+                          s_owners=(), s_shares=np.zeros((0, NUM_LIMBS), np.uint32))
+    content = pack(RecordDict(), resp)
+    assert set(content.keys()) == {CONFIG_KEY}
+    assert content.config_records[CONFIG_KEY]["b_shares"] == shares.astype("<u4").tobytes()
+    np.testing.assert_array_equal(unpack(content, UnmaskResponse).b_shares, shares)
+
+
+def test_masked_vector_over_the_inline_limit_is_a_uint32_array_record() -> None:
+    words = INLINE_BYTES // 4 + 1
+    up = MaskedUpload(site=1, epoch=1, round=1, masked=np.arange(words, dtype=np.uint32),
+                      b_commitment=b"c" * 32, b_recipients=(0, 2), b_ciphertexts=b"x" * 136,
+                      next_gen=1, next_s_public=b"p" * 32, next_recipients=(0, 2),
+                      next_ciphertexts=b"y" * 136)
+    content = pack(RecordDict(), up)
+    assert content.array_records[ARRAYS_KEY]["masked"].numpy().dtype == np.uint32
     assert "masked" not in content.config_records[CONFIG_KEY]
-    assert isinstance(content.config_records[CONFIG_KEY]["b_ciphertexts"], bytes)
+    np.testing.assert_array_equal(unpack(content, MaskedUpload).masked, np.arange(words))
+    at_limit = dataclasses.replace(up, masked=np.zeros(INLINE_BYTES // 4, np.uint32))
+    assert ARRAYS_KEY not in pack(RecordDict(), at_limit)
+
+
+@pytest.mark.parametrize("field,data", [
+    ("b_recipients", b"\x00\x00\x00"),                      # not a whole 4-byte record
+    ("b_recipients", np.array([0, 0], "<u4").tobytes()),     # duplicate ids
+    ("b_recipients", np.array([0, 2**31], "<u4").tobytes()),  # an id >= 2^31 - 2
+    ("next_recipients", np.array([0], "<u4").tobytes()),     # one id for two ciphertexts
+    ("masked", b"\x01\x02\x03\x04\x05"),                   # not whole uint32 words
+])
+def test_hostile_bytes_records_raise_protocol_error_naming_the_field(field: str,
+                                                                     data: bytes) -> None:
+    up = MaskedUpload(site=1, epoch=1, round=1, masked=np.arange(10, dtype=np.uint32),
+                      b_commitment=b"c" * 32, b_recipients=(0, 2), b_ciphertexts=b"x" * 136,
+                      next_gen=1, next_s_public=b"p" * 32, next_recipients=(0, 2),
+                      next_ciphertexts=b"y" * 136)
+    content = pack(RecordDict(), up)
+    content.config_records[CONFIG_KEY][field] = data
+    with pytest.raises(ProtocolError, match=field):
+        unpack(content, MaskedUpload)
+
+
+def test_a_version_2_message_is_refused_naming_both_versions() -> None:
+    msg = KeyAdvertise(site=1, epoch=1, c_public=b"a" * 32, s_public=b"b" * 32)
+    content = pack(RecordDict(), msg)
+    content.config_records[CONFIG_KEY]["secagg_version"] = 2
+    with pytest.raises(ProtocolError, match="expected version 3"):
+        unpack(content, KeyAdvertise)
 
 
 def test_large_masked_vector_is_chunked_on_the_wire() -> None:
@@ -132,7 +191,7 @@ def test_malformed_records_raise_protocol_error(broken: str) -> None:
     msg = KeyAdvertise(site=1, epoch=1, c_public=b"a" * 32, s_public=b"b" * 32)
     config, arrays = dict_to_records(msg.to_dict())
     if broken == "missing":
-        content = RecordDict({CONFIG_KEY: config})
+        content = RecordDict({ARRAYS_KEY: arrays})
     else:
         if broken == "float":
             config["epoch"] = 1.5

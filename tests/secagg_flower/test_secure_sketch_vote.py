@@ -42,7 +42,7 @@ from fedagg.config import RunConfig, load_config
 from fedagg.data import load_dataset
 from fedagg.errors import ConfigError
 from fedagg.models import build_model
-from fedagg.secagg import fixed_point
+from fedagg.secagg import MaskedUpload, fixed_point
 from fedagg.secagg.packing import packed_words
 from fedagg.update import SecAggMasker, UploadPipeline, public_seed
 from fedagg.update import masked as masked_mod
@@ -53,7 +53,7 @@ from strategies.base import RoundResult, run_train_round
 from strategies.compressed import Compressed
 from strategies.registry import build_strategy
 from strategies.secure import SecureAggregation
-from strategies.wire import ARRAYS_KEY, PARAMS_KEY, VOTES_KEY, arrays_to_record, record_to_arrays
+from strategies.wire import PARAMS_KEY, VOTES_KEY, arrays_to_record, record_to_arrays, unpack
 
 BASE = ["run.sites=5", "train.local_epochs=1", "data.max_train_examples=300",
         "secagg.weight_scale=300"]
@@ -269,7 +269,7 @@ def test_secure_vote_sum_is_the_naive_count_and_the_support_follows_it(
             table = unpack_counters(packed, 512, layout.vote_bits, bits).reshape(2, 256)
             np.testing.assert_array_equal(table, by_site[site][0][0])
         for reply in uploads:
-            masked = reply.content.array_records[ARRAYS_KEY]["masked"].numpy()
+            masked = unpack(reply.content, MaskedUpload).masked
             assert masked.size == packed_words(150 + layout.vote_elements + 1, bits)
         arrays = res.arrays
 
