@@ -132,8 +132,8 @@ class AsynchronousConfig(_Section):
     )
     concurrency: int | None = Field(
         None, ge=1,
-        description="FedBuff's C: sites training at once; None = run.sites x "
-        "run.fraction_train.",
+        description="FedBuff's C: sites training at once (secure: cohort members that have "
+        "not uploaded yet); None = run.sites x run.fraction_train.",
     )
     buffer_size: int = Field(
         10, ge=1,

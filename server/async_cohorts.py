@@ -84,6 +84,13 @@ def _handle_upload(self: _AsyncRun, job: Job, reply: Message) -> None:
         self._close_cohort(job.cohort)
 
 
+def _training(self: _AsyncRun, cohort_id: int, members: tuple[int, ...]) -> int:
+    """Members of an open cohort that have not answered its upload request yet (the sites
+    FedBuff's concurrency ``C`` counts for it)."""
+    run = self.cohorts.get(cohort_id)
+    return len(members) if run is None else len(set(members) - set(run.replies))
+
+
 def _quorum(self: _AsyncRun, n: int) -> int:
     return max(math.ceil(self.cfg.asynchronous.cohort_quorum * n - 1e-9), 1)
 

@@ -263,10 +263,13 @@ class _AsyncRun:
             busy = self.state.busy()
             free = [n for n in self._nodes() if n not in busy]
             if self.secure:
-                # C counts the sites of open cohorts; a late member of a closed cohort stays
-                # busy (it is not sent anything until it answers) but no longer holds a slot
+                # C counts the sites still training for an open cohort. One that uploaded only
+                # waits for its cohort's unmask (it is sent nothing else meanwhile), so its slot
+                # goes to the next cohort; a late member of a closed cohort stays busy (it is
+                # not sent anything until it answers) but no longer holds a slot either
                 k = self.cfg.asynchronous.buffer_size
-                active = sum(len(c.members) for c in self.state.cohorts.values())
+                active = sum(self._training(c.cohort, c.members)
+                             for c in self.state.cohorts.values())
                 if len(free) < k or active + k > self.concurrency:
                     return
                 pick = self.state.choose(free, k, "cohort")
@@ -352,6 +355,7 @@ class _AsyncRun:
         _log.debug("folded node %s (staleness %d)", node, entry.staleness)
 
     _handle_upload = async_cohorts._handle_upload
+    _training = async_cohorts._training
     _quorum = async_cohorts._quorum
     _close_cohort = async_cohorts._close_cohort
 

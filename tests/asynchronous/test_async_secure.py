@@ -105,3 +105,31 @@ def test_secure_cohort_timing_counts_key_setup(quorum: float) -> None:
     recs, _, _ = run(cfg, speed)
     # setup (2 exchanges) + upload + unmask: 3 latencies plus one job of 10 s
     assert recs[1]["time"] == pytest.approx(2 * 1.0 + 11.0 + 1.0)
+
+
+def test_an_uploaded_cohort_member_frees_its_slot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FedBuff's C counts sites still training: a member that uploaded only waits for its
+    cohort's unmask, so once K such slots are free the next cohort opens, even while the
+    cohorts of those members are still open (here a third cohort at C = 2K), and the sums
+    still equal the plaintext buffered aggregate."""
+    from server.asynchronous import _AsyncRun
+
+    seen: list[tuple[int, int]] = []
+    send = _AsyncRun._send_cohort
+
+    def watch(self: _AsyncRun, cohort_id: int) -> None:
+        training = sum(self._training(c.cohort, c.members)
+                       for cid, c in self.state.cohorts.items() if cid != cohort_id)
+        seen.append((len(self.cohorts), training))
+        send(self, cohort_id)
+
+    monkeypatch.setattr(_AsyncRun, "_send_cohort", watch)
+    n = 16
+    speed = SpeedModel(seed=5, job_seconds=10.0, sigma=0.8, latency=0.2)
+    cfg = config(n, "run.rounds=8", *SECURE, "asynchronous.buffer_size=4",
+                 "asynchronous.concurrency=8")
+    recs, got, grid = run(cfg, speed)
+    assert [r["version"] for r in recs] == list(range(9))
+    assert all(training + 4 <= 8 for _, training in seen), seen  # never more than C training
+    assert max(open_ for open_, _ in seen) >= 2, seen  # a third cohort beside two open ones
+    _check_against_plaintext(recs, got, grid, StalenessWeight("polynomial", 0.5, 4))
