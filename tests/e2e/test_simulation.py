@@ -29,8 +29,15 @@ def _simulate(tmp_path: Path, *overrides: str) -> list[dict[str, object]]:
     return records
 
 
-def test_three_sites_two_rounds_beats_untrained(tmp_path: Path) -> None:
-    records = _simulate(tmp_path, "run.sites=3", "run.rounds=2", "run.seed=1")
+@pytest.fixture(scope="module")
+def three_sites(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, object]]:
+    """One run of 3 sites x 2 rounds, read by the two tests below (one engine start, not two)."""
+    return _simulate(tmp_path_factory.mktemp("three-sites"), "run.sites=3", "run.rounds=2",
+                     "run.seed=1")
+
+
+def test_three_sites_two_rounds_beats_untrained(three_sites: list[dict[str, object]]) -> None:
+    records = three_sites
     assert [r["round"] for r in records] == [0, 1, 2]
     assert float(records[-1]["accuracy"]) > float(records[0]["accuracy"]) + 0.2  # type: ignore[arg-type]
     for r in records[1:]:
@@ -40,12 +47,13 @@ def test_three_sites_two_rounds_beats_untrained(tmp_path: Path) -> None:
         assert int(r["bytes_up"]) >= 3 * 4 * 17_000  # type: ignore[call-overload]  # MLP: 17,226 params
 
 
-def test_engine_start_up_is_not_counted_in_round_one(tmp_path: Path) -> None:
+def test_engine_start_up_is_not_counted_in_round_one(three_sites: list[dict[str, object]]
+                                                     ) -> None:
     """The engine is woken before round 1 (server.runner.engine_warmup): its start-up is in
     round 0's ``seconds_startup``, and round 1's site overhead is that of a warm round (without
     the warm-up, the first message to each Ray worker pays the actor start, the imports of
     torch's optimizer stack (~1.5 s) and the data set load)."""
-    records = _simulate(tmp_path, "run.sites=3", "run.rounds=2", "run.seed=1")
+    records = three_sites
     startup = float(records[0]["seconds_startup"])  # type: ignore[arg-type]
     assert startup > 0
     first, second = records[1], records[2]
