@@ -14,6 +14,9 @@ test_async_clock.py checks it against real waits); CPU seconds are reported next
 * ``deadline``: the same rounds closing at ``--deadline`` simulated seconds; late updates are
   folded into a later round with their staleness weight.
 * ``fedbuff``: FedBuff with C = ``--concurrency`` sites training at once and K = ``--buffer``.
+* ``fedbuff-noguards`` (not in the default list): the same with the median-relative guards
+  off (``strategy.norm_outlier_factor = strategy.max_weight_ratio = 0``), to see what the
+  guards cost in time to accuracy.
 * ``secure-fedbuff``: FedBuff whose buffers are SecAgg+ cohorts of K sites (keys agreed when a
   cohort is dispatched), closing at ``--quorum`` of their uploads.
 
@@ -73,6 +76,9 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
                  "asynchronous.mode='deadline'", f"asynchronous.deadline={args.deadline}"]
     elif name == "fedbuff":
         over += ["run.rounds=100000", "asynchronous.mode='fedbuff'"]
+    elif name == "fedbuff-noguards":  # the median-relative guards off: their cost, if any
+        over += ["run.rounds=100000", "asynchronous.mode='fedbuff'",
+                 "strategy.norm_outlier_factor=0", "strategy.max_weight_ratio=0"]
     else:
         over += ["run.rounds=100000", "asynchronous.mode='fedbuff'", "strategy.name='secure'",
                  f"asynchronous.buffer_size={args.secure_buffer or args.buffer}",
