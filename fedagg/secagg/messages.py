@@ -53,7 +53,8 @@ __all__ = [
 
 PROTOCOL_VERSION: Final = 3
 """Wire version: 2 added ``ShareKeysRequest.roster_public`` and the key-mixed graph seed; 3 sends
-id lists, key generations and share rows as ``bytes`` of little-endian records, not arrays."""
+id lists, key generations, share rows and masked vectors up to :data:`INLINE_BYTES` as ``bytes``
+of little-endian records, not arrays."""
 CIPHERTEXT_BYTES: Final = SHARE_BYTES + CIPHERTEXT_OVERHEAD
 """Size of one encrypted share: 12-byte nonce, 40-byte share, 16-byte tag."""
 MAX_SITE: Final = PRIME - 2

@@ -46,7 +46,7 @@ from flwr.clientapp import ClientApp
 
 from clients import fedagg_mod
 from fedagg.compression import Payload, TensorPayload, WireDType, codec
-from fedagg.secagg import shamir
+from fedagg.secagg import INLINE_BYTES, shamir
 from server.inprocess import InProcessGrid, wire_roundtrip
 from strategies.wire import (
     ARRAYS_KEY,
@@ -327,37 +327,32 @@ LOW_ORDER = [u.to_bytes(32, "little") for u in (
 KEY_FIELDS = ("c_public", "s_public", "next_s_public")
 CT_FIELDS = ("ciphertexts", "b_ciphertexts", "next_ciphertexts")
 SHARE_FIELDS = ("b_shares", "s_shares")
-
-
 ID_FIELDS = ("roster", "neighbours", "recipients", "b_recipients", "next_recipients",
              "b_owners", "s_owners")
-INLINE = "__inline__"  # fields the honest reply sent as bytes records (wire version 3)
 
 
 def _secagg(content: RecordDict) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """The reply's protocol fields; the masked vector and share rows as uint32 arrays to forge
-    on (sent inline as bytes records since wire version 3, unless the vector is large)."""
+    on (bytes records since wire version 3, unless the masked vector is over INLINE_BYTES)."""
     cfg = dict(content.config_records[CONFIG_KEY])
     rec = content.array_records.get(ARRAYS_KEY)
     arrs = {k: v.numpy() for k, v in rec.items()} if rec is not None else {}
-    inline = []
     for key in ("masked", *SHARE_FIELDS):
         if isinstance(cfg.get(key), bytes):
             words = np.frombuffer(cfg.pop(key), "<u4").astype(np.uint32)
             arrs[key] = words.reshape(-1, shamir.NUM_LIMBS) if key != "masked" else words
-            inline.append(key)
-    cfg[INLINE] = inline
     return cfg, arrs
 
 
 def _pack(cfg: dict[str, Any], arrs: dict[str, np.ndarray]) -> RecordDict:
-    """Back into records: an inline field of uint32 words as bytes again (any other dtype, as a
-    hostile site may send it, as an array); the rest as arrays."""
+    """Back into records as an honest site encodes them: uint32 share rows, and a uint32 masked
+    vector up to INLINE_BYTES, as bytes records; anything else (a larger vector, or another
+    dtype, as a hostile site may send it) as an array."""
     cfg = dict(cfg)
-    inline = cfg.pop(INLINE, [])
     arrays = {}
     for k, v in arrs.items():
-        if k in inline and v.dtype == np.uint32:
+        inline = k in SHARE_FIELDS or (k == "masked" and v.nbytes <= INLINE_BYTES)
+        if inline and v.dtype == np.uint32:
             cfg[k] = np.ascontiguousarray(v, "<u4").tobytes()
         else:
             arrays[k] = Array(np.ascontiguousarray(v))
@@ -437,7 +432,7 @@ def forge_secure(rng: np.random.Generator, content: RecordDict, rnd: int) -> For
         cfg[keys[int(rng.integers(len(keys)))]] = LOW_ORDER[int(rng.integers(len(LOW_ORDER)))]
         return _pack(cfg, arrs), "rejected"
     if kind == 13:  # a float, a string or a list where ints and bytes belong
-        key = sorted(k for k in cfg if k != INLINE)[int(rng.integers(len(cfg) - 1))]
+        key = sorted(cfg)[int(rng.integers(len(cfg)))]
         cfg[key] = [float("nan"), "x", [1.0, 2.0], 1e308][int(rng.integers(4))]
         return _pack(cfg, arrs), "rejected"
     if kind == 14:  # records missing, or an array whose header claims terabytes
