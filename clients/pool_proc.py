@@ -32,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
@@ -61,32 +62,49 @@ _CONSEQUENCE = ("CollectiveError", "CollectiveTimeout", "Connection closed", "Co
 
 
 def _start_time(pid: int) -> str | None:
+    """Start time of live process ``pid`` (None if gone or a zombie: it can own nothing)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
         return None
+    if len(fields) < 20 or fields[0] in ("Z", "X"):
+        return None
+    return fields[19]
 
 
-def sweep_stale_pools(root: str | Path | None = None) -> int:
+def sweep_stale_pools(root: str | Path | None = None, *, wait_for: Collection[int] = (),
+                      wait_s: float = 0.0) -> int:
     """Remove pool directories (this user's) whose controller process is gone.
 
     A controller killed without a chance to clean up (SIGKILL, a Ray actor torn down with
     its children) leaves its directory behind; its workers exit on their own. Called when a
-    pool starts and by ``fedagg simulate`` after the engine stopped. Returns the number removed.
+    pool starts and by ``fedagg simulate`` after the engine stopped. A directory whose
+    controller is one of ``wait_for`` (``fedagg simulate`` passes the Ray processes it saw)
+    and still alive is given up to ``wait_s`` seconds to go: Ray's workers leave only after
+    they noticed that the raylet is gone, which can take seconds under load. Any other live
+    controller's directory is left alone at once. Returns the number removed.
     """
     base = Path(root or os.environ.get("FEDAGG_SITE_TMPDIR") or tempfile.gettempdir())
     removed = 0
-    for d in base.glob("fedagg-*-pool-*"):
-        try:
-            if d.stat().st_uid != os.getuid():
+    deadline = time.monotonic() + wait_s
+    waited = set(wait_for)
+    while True:
+        pending = 0
+        for d in base.glob("fedagg-*-pool-*"):
+            try:
+                if d.stat().st_uid != os.getuid():
+                    continue
+                pid, started = (d / "owner").read_text().split()
+            except (OSError, ValueError):
                 continue
-            pid, started = (d / "owner").read_text().split()
-        except (OSError, ValueError):
-            continue
-        if _start_time(int(pid)) != started:
-            shutil.rmtree(d, ignore_errors=True)
-            removed += 1
-    return removed
+            if _start_time(int(pid)) != started:
+                shutil.rmtree(d, ignore_errors=True)
+                removed += 1
+            elif int(pid) in waited:
+                pending += 1
+        if not pending or time.monotonic() >= deadline:
+            return removed
+        time.sleep(0.2)
 
 
 def worker_path() -> list[str]:

@@ -179,7 +179,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, previous)
         from clients.pool_proc import sweep_stale_pools
 
-        sweep_stale_pools()  # site worker pools of actors Ray tore down without a cleanup
+        # site worker pools of actors Ray tore down without a cleanup (they may still be leaving)
+        sweep_stale_pools(wait_for=_WATCH.known, wait_s=15.0)
     report = _write_report(run_dir)
     if len(records) < cfg.run.rounds + 1:
         console.print(f"[red]the run stopped after {max(len(records) - 1, 0)} of {cfg.run.rounds} rounds; "

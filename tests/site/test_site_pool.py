@@ -271,3 +271,39 @@ def test_killed_controller_leaves_no_workers(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
+
+
+def _fake_pool_dir(root: Path, pid: int) -> Path:
+    from clients.pool_proc import _start_time
+
+    d = root / f"fedagg-site-0-pool-{pid}"
+    d.mkdir()
+    (d / "owner").write_text(f"{pid} {_start_time(pid)}")
+    return d
+
+
+def test_sweep_waits_for_the_controllers_it_was_told_of(tmp_path: Path) -> None:
+    """``fedagg simulate`` sweeps after the engine stopped while Ray's actors may still be
+    leaving: a directory whose controller is named in ``wait_for`` goes once it is gone;
+    another live controller's directory is never touched; a dead one's goes at once."""
+    from clients.pool_proc import sweep_stale_pools
+
+    leaving = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
+    staying = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        d_leaving = _fake_pool_dir(tmp_path, leaving.pid)
+        d_staying = _fake_pool_dir(tmp_path, staying.pid)
+        d_dead = _fake_pool_dir(tmp_path, dead.pid)
+        dead.wait(30)  # reaped: its start time no longer matches
+        assert sweep_stale_pools(tmp_path) == 1  # no wait: only the dead controller's
+        assert not d_dead.exists() and d_leaving.exists() and d_staying.exists()
+        # the leaving controller exits but stays a zombie until reaped: it owns nothing
+        t0 = time.monotonic()
+        assert sweep_stale_pools(tmp_path, wait_for={leaving.pid}, wait_s=30.0) == 1
+        assert time.monotonic() - t0 < 25.0
+        assert not d_leaving.exists() and d_staying.exists()
+    finally:
+        for p in (leaving, staying, dead):
+            p.kill()
+            p.wait(30)
