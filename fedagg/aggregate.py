@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ __all__ = [
     "check_update",
     "global_norm",
     "model_change_problem",
+    "non_finite_message",
     "norm_outliers",
     "subtract",
     "weighted_mean",
@@ -168,12 +170,21 @@ def _all_finite(u: npt.NDArray[np.generic]) -> bool:
         return bool(np.isfinite(np.sum(u))) or bool(np.isfinite(np.sum(u, dtype=np.float64)))
 
 
+def non_finite_message(site: str, j: int, u: npt.NDArray[np.generic]) -> str:
+    """The refusal of tensor ``j`` of ``site``'s update for holding NaN / Inf values."""
+    bad = int(np.size(u) - np.count_nonzero(np.isfinite(u)))
+    return explain(f"{site}.arrays[{j}]", f"{bad} non-finite values",
+                   "must be finite (no NaN / Inf)",
+                   "check the site's training (learning rate, data)")
+
+
 def check_update(
     update: Sequence[npt.NDArray[np.generic]],
     reference: Sequence[npt.NDArray[np.generic]],
     *,
     max_norm: float | None = None,
     site: str = "site",
+    check_finite: bool = True,
 ) -> None:
     """Check one site update against the global model before aggregation.
 
@@ -187,6 +198,10 @@ def check_update(
         Bound on the L2 norm of ``update - reference``.
     site : str
         Name used in the message.
+    check_finite : bool
+        Check that float tensors hold no NaN / Inf (a pass over every value). Off only for a
+        caller that folds the update into an accumulator refusing such values itself
+        (:attr:`fedagg.accumulate.Accumulator.checks_finite`): a streamed FedAvg round.
 
     Raises
     ------
@@ -221,18 +236,14 @@ def check_update(
                     "send the dtype the server sent",
                 )
             )
-        if np.issubdtype(u.dtype, np.floating) and not _all_finite(u):
-            bad = int(np.size(u) - np.count_nonzero(np.isfinite(u)))
-            raise UpdateRejected(
-                explain(
-                    f"{site}.arrays[{j}]",
-                    f"{bad} non-finite values",
-                    "must be finite (no NaN / Inf)",
-                    "check the site's training (learning rate, data)",
-                )
-            )
+        if check_finite and np.issubdtype(u.dtype, np.floating) and not _all_finite(u):
+            raise UpdateRejected(non_finite_message(site, j, u))
     if max_norm is not None:
         norm = global_norm(subtract(update, reference))  # type: ignore[arg-type]
+        if not math.isfinite(norm):  # (check_finite off) a NaN / Inf is the better reason
+            for j, u in enumerate(update):
+                if np.issubdtype(u.dtype, np.floating) and not _all_finite(u):
+                    raise UpdateRejected(non_finite_message(site, j, u))
         if not norm <= max_norm:
             raise UpdateRejected(
                 explain(
@@ -341,7 +352,7 @@ def model_change_problem(
         x, y = np.asarray(a), np.asarray(b)
         if x.shape != y.shape:
             return f"tensor {j} of the new model has shape {x.shape}, not {y.shape}"
-        if np.issubdtype(x.dtype, np.floating) and not np.isfinite(np.sum(x, dtype=np.float64)):
+        if np.issubdtype(x.dtype, np.floating) and not _all_finite(x):
             return f"tensor {j} of the new model is not finite (NaN / Inf)"
         if max_change is not None and np.issubdtype(x.dtype, np.number):
             d = x.astype(np.float64) - y.astype(np.float64)

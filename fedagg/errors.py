@@ -96,6 +96,16 @@ class UpdateRejected(FedaggError, ValueError):
     """A site update failed a server-side check and was not aggregated."""
 
 
+class NonFiniteUpdate(UpdateRejected):
+    """An update holds a NaN or an infinity (in tensor :attr:`tensor`); nothing of it was
+    folded. Raised by the exact accumulator, which reads every value anyway: a streamed
+    round needs no separate finiteness pass over each reply."""
+
+    def __init__(self, message: str, tensor: int) -> None:
+        super().__init__(message)
+        self.tensor = tensor
+
+
 class CollectiveError(FedaggError):
     """An intra-site collective operation failed (mismatched inputs, broken peer)."""
 

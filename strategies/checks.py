@@ -170,9 +170,13 @@ def partition_of(metrics: Any) -> int:
 def validate_reply(reply: Message, keys: list[str], reference: list[np.ndarray], *,
                    weight_key: str = "num-examples", max_norm: float | None = None,
                    server_round: int | None = None, strict_dtypes: bool = False,
-                   max_weight: float | None = None
+                   max_weight: float | None = None, check_finite: bool = True
                    ) -> tuple[list[np.ndarray], float, MetricRecord]:
-    """Check one train reply; return ``(arrays, weight, metrics)`` or raise UpdateRejected."""
+    """Check one train reply; return ``(arrays, weight, metrics)`` or raise UpdateRejected.
+
+    ``check_finite=False`` leaves the NaN / Inf check to the consumer: only for one that
+    folds the arrays into an accumulator that refuses them itself (``checks_finite``).
+    """
     site = f"node {reply.metadata.src_node_id}"
     if reply.has_error():
         raise UpdateRejected(f"{site} replied with an error: {reply.error.reason}")
@@ -201,5 +205,5 @@ def validate_reply(reply: Message, keys: list[str], reference: list[np.ndarray],
                                      f"must equal the global model's keys {keys[:5]}...",
                                      "send the model of the same architecture"))
     arrays = cast_update(arrays, reference, strict=strict_dtypes, site=site)
-    check_update(arrays, reference, max_norm=max_norm, site=site)
+    check_update(arrays, reference, max_norm=max_norm, site=site, check_finite=check_finite)
     return arrays, weight, mrecs[0]

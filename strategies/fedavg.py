@@ -51,7 +51,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
-from fedagg.accumulate import WeightBuckets
+from fedagg.accumulate import WeightBuckets, grid_exponents
 from fedagg.aggregate import (
     ServerOptimizer,
     UpdateGuards,
@@ -72,7 +72,7 @@ from strategies.checks import (
 )
 from strategies.metrics import METRIC_ALIASES, NOT_METRICS, _numbers, aggregate_metrics
 from strategies.streaming import StreamRound, new_accumulator
-from strategies.wire import arrays_to_record, record_to_arrays
+from strategies.wire import arrays_to_record, npy_record, record_to_arrays
 
 __all__ = ["MAX_PARTITION_ID", "METRIC_ALIASES", "NOT_METRICS", "FedAvg", "Update",
            "aggregate_metrics", "check_metadata", "guard_updates", "guards_from_config",
@@ -160,6 +160,7 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
         self.last_accepted: list[int] = []
         self.last_site_metrics: dict[str, dict[str, float]] = {}
         self._global: tuple[list[str], list[np.ndarray]] | None = None
+        self._grid: tuple[list[np.ndarray], list[int]] | None = None
         self._sent: tuple[int, int] | None = None
         """``(round, train messages)`` of the last configure_train: at most that many updates
         come back (the streamed guards keep aside fewer updates with it)."""
@@ -210,6 +211,10 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
         """Sample sites and send them the global model and the round config."""
         # read-only views on the record the caller holds anyway: no second copy of the model
         self._global = record_to_arrays(arrays, copy=False)
+        # the accumulator's grid depends only on the model sent: derived now, while the sites
+        # train, not after the last reply came (a pass over the model, ~10 ms per 10M values)
+        self._grid = ((self._global[1], grid_exponents(self._global[1]))
+                      if self.shards <= 1 and self.fraction_train != 0.0 else None)
         if self.fraction_train == 0.0:
             return []
         config["server-round"] = server_round
@@ -255,12 +260,14 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
         """Validate every reply; the good ones (their models), bad ones named."""
         return list(self.accepted(replies, server_round))
 
-    def accepted(self, replies: Iterable[Message], server_round: int | None = None
-                 ) -> Iterator[Update]:
+    def accepted(self, replies: Iterable[Message], server_round: int | None = None, *,
+                 check_finite: bool = True) -> Iterator[Update]:
         """:meth:`accept` one reply at a time: each good update is yielded, then released.
 
         Nothing of a reply is kept once the consumer has dropped its update (the arrays are
         read-only views on the reply's bytes): the streamed :meth:`aggregate_train`.
+        ``check_finite=False`` leaves NaN / Inf to the consumer (only for one that folds
+        every update into an accumulator with ``checks_finite``).
         """
         if self._global is None:
             raise RuntimeError("aggregate_train called before configure_train")
@@ -272,7 +279,8 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
                 arrays, weight, metrics = validate_reply(
                     reply, keys, reference, weight_key=self.weighted_by_key,
                     max_norm=self.max_update_norm, server_round=server_round,
-                    strict_dtypes=self.strict_dtypes, max_weight=self.guards.max_weight)
+                    strict_dtypes=self.strict_dtypes, max_weight=self.guards.max_weight,
+                    check_finite=check_finite)
             except UpdateRejected as exc:
                 self.last_rejected[str(node)] = str(exc)
                 _log.warning("rejected update: %s", exc)
@@ -287,7 +295,9 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
 
     def _accumulator(self, current: Sequence[np.ndarray]) -> WeightBuckets:
         """The round's accumulator: in this process, or the Ray actors (kept across rounds)."""
-        acc = new_accumulator(current, shards=self.shards, sharded=self._sharded)
+        grid = self._grid[1] if self._grid is not None and self._grid[0] is current else None
+        acc = new_accumulator(current, shards=self.shards, sharded=self._sharded,
+                              exponents=grid)
         if self.shards > 1:
             self._sharded = acc.first
         return acc
@@ -344,12 +354,13 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
                          server_round, count, self.min_sites)
             return None, None
         record = None
-        if (not deltas and self.optimizer.kind == "none" and acc.buckets == 1
-                and hasattr(acc.first, "mean_record")):  # sharded: the record from the shards
-            record = acc.first.mean_record(keys)
-            mean = record_to_arrays(record, copy=False)[1]
-        else:
-            mean = acc.mean()
+        if not deltas and self.optimizer.kind == "none" and acc.buckets == 1:
+            # the mean written straight into the new model's record (no second copy of it)
+            if hasattr(acc.first, "mean_record"):  # sharded: joined from the shards' pieces
+                record = acc.first.mean_record(keys)
+            elif hasattr(acc.first, "mean_npy"):
+                record = npy_record(keys, acc.first.mean_npy())
+        mean = record_to_arrays(record, copy=False)[1] if record is not None else acc.mean()
         del acc, stream  # the accumulator goes before the new model is built
         snap = self.optimizer.snapshot()
         if deltas:
@@ -377,10 +388,16 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
         """Weighted mean of the valid replies, applied through the server optimizer.
 
         ``replies`` may be any iterable (a generator of replies as they arrive): it is never
-        listed; each reply is checked, folded and released before the next.
+        listed; each reply is checked, folded and released before the next. In this
+        process the fold itself refuses NaN / Inf (one read of each reply, not two); the Ray
+        shards, and a subclass that consumes the updates itself, get replies checked first.
         """
-        return self.aggregate_updates(server_round, self.accepted(replies, server_round),
-                                      deltas=False)
+        cls = type(self)
+        folds_checked = (self.shards <= 1 and cls.aggregate_updates is FedAvg.aggregate_updates
+                         and cls._accumulator is FedAvg._accumulator)
+        return self.aggregate_updates(
+            server_round, self.accepted(replies, server_round, check_finite=not folds_checked),
+            deltas=False)
 
     def state_dict(self) -> dict[str, Any]:
         """Server-optimizer state, for checkpoints."""

@@ -38,8 +38,8 @@ from fedagg.accumulate import (
     WeightBuckets,
     delta_norm,
 )
-from fedagg.aggregate import UpdateGuards
-from fedagg.errors import ConfigError, UpdateRejected, explain
+from fedagg.aggregate import UpdateGuards, non_finite_message
+from fedagg.errors import ConfigError, NonFiniteUpdate, UpdateRejected, explain
 
 __all__ = ["Check", "Folded", "Folder", "RoundFold", "StreamRound", "fold_replies",
            "new_accumulator"]
@@ -89,7 +89,8 @@ class RoundFold:
 
 def new_accumulator(reference: Sequence[np.ndarray], *, shards: int = 0,
                     precision_bits: int = DEFAULT_PRECISION_BITS,
-                    sharded: Any = None) -> WeightBuckets:
+                    sharded: Any = None, exponents: Sequence[int] | None = None
+                    ) -> WeightBuckets:
     """An accumulator for updates shaped like ``reference`` (the round's global model).
 
     Parameters
@@ -102,6 +103,8 @@ def new_accumulator(reference: Sequence[np.ndarray], *, shards: int = 0,
         Grid bits below each tensor's scale (:func:`fedagg.accumulate.grid_exponents`).
     sharded : ShardedAccumulator, optional
         Actors of an earlier round to reuse (reset for this round's grid).
+    exponents : sequence of int, optional
+        ``grid_exponents(reference, precision_bits=...)`` computed earlier (in-process only).
 
     Returns
     -------
@@ -111,7 +114,8 @@ def new_accumulator(reference: Sequence[np.ndarray], *, shards: int = 0,
     """
     def make(reuse: Any = None) -> Any:
         if shards <= 1:
-            return Accumulator.for_model(reference, precision_bits=precision_bits)
+            return Accumulator.for_model(reference, precision_bits=precision_bits,
+                                         exponents=exponents)
         plan = ShardPlan.for_model(reference, shards, precision_bits=precision_bits)
         if reuse is not None and getattr(reuse, "shards", None) == shards:
             reuse.reset(plan)
@@ -284,6 +288,10 @@ class StreamRound:
                 self.acc.fold(tensors, float(w))
         except ConfigError as exc:
             self._reject(node, str(exc))
+            return
+        except NonFiniteUpdate as exc:  # the fold read a NaN / Inf: nothing was folded
+            self._reject(node, non_finite_message(f"node {node}", exc.tensor,
+                                                  np.asarray(tensors[exc.tensor])))
             return
         except UpdateRejected as exc:  # beyond the accumulator's range: nothing was folded
             if not self._needs_norms:

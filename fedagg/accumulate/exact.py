@@ -72,7 +72,7 @@ from fedagg.accumulate.grid import (
     grid_exponents,
     max_abs,
 )
-from fedagg.errors import ConfigError, UpdateRejected, explain
+from fedagg.errors import ConfigError, NonFiniteUpdate, UpdateRejected, explain
 
 __all__ = [
     "BLOCK",
@@ -148,10 +148,19 @@ class Accumulator:
 
     @classmethod
     def for_model(cls, reference: Sequence[npt.NDArray[Any]], *,
-                  precision_bits: int = DEFAULT_PRECISION_BITS, block: int = BLOCK
-                  ) -> Accumulator:
-        """An accumulator for updates shaped like ``reference`` (grid from it, same dtypes)."""
-        exps = grid_exponents(reference, precision_bits=precision_bits)
+                  precision_bits: int = DEFAULT_PRECISION_BITS, block: int = BLOCK,
+                  exponents: Sequence[int] | None = None) -> Accumulator:
+        """An accumulator for updates shaped like ``reference`` (grid from it, same dtypes).
+
+        ``exponents``: ``grid_exponents(reference, precision_bits=precision_bits)`` when the
+        caller computed it already (one per tensor).
+        """
+        exps = (grid_exponents(reference, precision_bits=precision_bits) if exponents is None
+                else [int(e) for e in exponents])
+        if len(exps) != len(reference):
+            raise ConfigError(explain("exponents", len(exps),
+                                      f"must hold one grid exponent per tensor ({len(reference)})",
+                                      "pass grid_exponents(reference)"))
         return cls([TensorSpec(tuple(np.shape(r)), np.asarray(r).dtype.name, e)
                     for r, e in zip(reference, exps, strict=True)], block=block)
 
@@ -189,6 +198,10 @@ class Accumulator:
     fuses_norm = True
     """:meth:`fold` can return the update's delta norm from the same pass (``norm=True``)."""
 
+    checks_finite = True
+    """:meth:`fold` refuses a NaN or infinity (:class:`NonFiniteUpdate`) and folds nothing of
+    that update: a caller that folds every update needs no finiteness pass of its own."""
+
     def fold(self, update: Sequence[TensorUpdate], weight: float, *, norm: bool = False,
              reference: Sequence[npt.NDArray[Any]] | None = None) -> float | None:
         """Add ``weight * update`` to the running sum; nothing of ``update`` is kept.
@@ -215,9 +228,11 @@ class Accumulator:
         ConfigError
             A weight that is not finite and non-zero; an update whose tensor count, shape or
             sparse indices do not match (nothing is folded then).
+        NonFiniteUpdate
+            A NaN or infinity in the update (an :class:`UpdateRejected`): nothing was folded.
         UpdateRejected
-            A value beyond the accumulator's range (``|w x| >= 2**(exponent + 92)``) or not
-            finite (the tensors before it were folded: refuse the round or fold ``-w``).
+            A value beyond the accumulator's range (``|w x| >= 2**(exponent + 92)``): nothing
+            was folded.
         """
         w = _check_weight(weight)
         if len(update) != len(self.specs):
@@ -312,6 +327,11 @@ class Accumulator:
             np.rint(f, out=f)
         m = max(float(np.max(f)), -float(np.min(f))) if f.size else 0.0
         if not m < _Q_MAX:  # also NaN
+            if not bool(np.isfinite(x).all()):
+                raise NonFiniteUpdate(explain(
+                    f"update[{j}]", f"{int(x.size - np.count_nonzero(np.isfinite(x)))} "
+                    "non-finite values in a block", "must be finite (no NaN / Inf)",
+                    "check the site's training (learning rate, data)"), j)
             raise UpdateRejected(explain(
                 f"update[{j}]", "a value of magnitude >= 2**92 grid units" if math.isfinite(m)
                 else "a non-finite value", f"must be finite and below 2**{92 + self.specs[j].exponent}"
@@ -453,6 +473,7 @@ class Accumulator:
     _sum_f64 = exact_results.sum_f64
     sums = exact_results.sums
     mean = exact_results.mean
+    mean_npy = exact_results.mean_npy
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

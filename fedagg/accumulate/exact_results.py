@@ -15,11 +15,12 @@ import numpy.typing as npt
 
 from fedagg.accumulate import native
 from fedagg.errors import ConfigError, explain
+from fedagg.npy import npy_header, writable_bytes
 
 if TYPE_CHECKING:
     from fedagg.accumulate.exact import Accumulator
 
-__all__ = ["MEAN_STEP", "mean", "sum_f64", "sums"]
+__all__ = ["MEAN_STEP", "mean", "mean_npy", "sum_f64", "sums"]
 
 MEAN_STEP = 1 << 13
 """Elements per step of :func:`mean` (its one float64 buffer; the peak of a round's end is the
@@ -63,30 +64,65 @@ def mean(self: Accumulator) -> list[npt.NDArray[Any]]:
     ConfigError
         Nothing was folded, or the weights do not sum to a positive number.
     """
+    _check_total(self)
+    out = []
+    for j, spec in enumerate(self.specs):
+        res = np.empty(spec.size, np.dtype(spec.dtype))
+        _mean_into(self, j, res)
+        out.append(res.reshape(spec.shape))
+    return out
+
+
+def mean_npy(self: Accumulator) -> list[tuple[str, tuple[int, ...], bytes]]:
+    """:meth:`mean` as ``(dtype, shape, npy bytes)`` per tensor (what a Flower ``Array``
+    carries).
+
+    Each tensor's mean is written straight into the ``bytes`` object that will hold it (after
+    its npy header): no array of the mean and no copy of it into a message. The same values
+    as :meth:`mean`, bit for bit.
+
+    Raises
+    ------
+    ConfigError
+        Nothing was folded, or the weights do not sum to a positive number.
+    """
+    _check_total(self)
+    out = []
+    for j, spec in enumerate(self.specs):
+        dt = np.dtype(spec.dtype)
+        header = npy_header(dt.str, spec.shape)
+        data, view = writable_bytes(len(header) + spec.size * dt.itemsize)
+        view[:len(header)] = np.frombuffer(header, np.uint8)
+        _mean_into(self, j, view[len(header):].view(dt))  # npy v1 headers keep it aligned
+        del view
+        out.append((str(dt), spec.shape, data.result()))
+    return out
+
+
+def _check_total(self: Accumulator) -> None:
     if self._weight <= 0:
         raise ConfigError(explain("weights", float(self._weight),
                                   "must sum to a positive number", "fold at least one update"))
+
+
+def _mean_into(self: Accumulator, j: int, res: npt.NDArray[Any]) -> None:
+    """Write tensor ``j``'s mean into ``res`` (flat, the spec's dtype)."""
+    spec = self.specs[j]
     total = float(self._weight)
-    out = []
-    for j, spec in enumerate(self.specs):
-        if self._hi[j] is not None:
-            self._normalize(j, force=True)
-        dt = np.dtype(spec.dtype)
-        res = np.empty(spec.size, dt)
-        if not self._native_off and native.mean_into(
-                self._lo[j], self._hi[j], math.ldexp(1.0, spec.exponent), total, res):
-            out.append(res.reshape(spec.shape))  # one pass in C, the same bits
-            continue
-        step = min(self.block, MEAN_STEP)
-        f = np.empty(min(spec.size, step), np.float64)  # 64 KiB: not the fold's block buffers
-        for s in range(0, spec.size, step):
-            n = min(step, spec.size - s)
-            fb = f[:n]
-            sum_f64(self, j, fb, s)
-            fb /= total
-            with np.errstate(over="ignore", invalid="ignore"):
-                if np.issubdtype(dt, np.integer):
-                    np.trunc(fb, out=fb)
-                res[s:s + n] = fb  # inf from a float overflow is caught by model checks
-        out.append(res.reshape(spec.shape))
-    return out
+    if self._hi[j] is not None:
+        self._normalize(j, force=True)
+    dt = res.dtype
+    if not self._native_off and native.mean_into(
+            self._lo[j], self._hi[j], math.ldexp(1.0, spec.exponent), total, res):
+        return  # one pass in C, the same bits
+    step = min(self.block, MEAN_STEP)
+    f = np.empty(min(spec.size, step), np.float64)  # 64 KiB: not the fold's block buffers
+    for s in range(0, spec.size, step):
+        n = min(step, spec.size - s)
+        fb = f[:n]
+        sum_f64(self, j, fb, s)
+        fb /= total
+        with np.errstate(over="ignore", invalid="ignore"):
+            if np.issubdtype(dt, np.integer):
+                np.trunc(fb, out=fb)
+            res[s:s + n] = fb  # inf from a float overflow is caught by model checks

@@ -98,6 +98,12 @@ class WeightBuckets:
         accumulators; not the Ray shards)."""
         return bool(getattr(self.first, "fuses_norm", False))
 
+    @property
+    def checks_finite(self) -> bool:
+        """Whether :meth:`fold` refuses a non-finite update itself, folding nothing of it
+        (:class:`fedagg.errors.NonFiniteUpdate`; in-process accumulators)."""
+        return bool(getattr(self.first, "checks_finite", False))
+
     def fold(self, update: Sequence[TensorUpdate], weight: float, **norm: Any) -> float | None:
         """Fold ``weight * update`` into its weight's bucket (see the module docstring);
         ``norm=True, reference=...`` also returns the delta norm (:attr:`fuses_norm`)."""

@@ -22,11 +22,13 @@ from numpy.lib import format as npformat
 
 from fedagg.config import flatten, unflatten
 from fedagg.errors import UpdateRejected, explain
+from fedagg.npy import npy_header
 
 __all__ = [
     "arrays_to_record",
     "config_to_record",
     "message_nbytes",
+    "npy_record",
     "numpy_array",
     "record_to_arrays",
     "record_to_config",
@@ -139,12 +141,18 @@ def numpy_array(array: np.ndarray) -> Array:
                  data=data)
 
 
-@functools.lru_cache(maxsize=128)
-def _npy_header_bytes(descr: str, shape: tuple[int, ...]) -> bytes:
-    buf = io.BytesIO()
-    npformat.write_array_header_1_0(buf, {"descr": descr, "fortran_order": False,
-                                          "shape": shape})
-    return buf.getvalue()
+_npy_header_bytes = npy_header
+
+
+def npy_record(keys: Sequence[str], arrays: Sequence[tuple[str, tuple[int, ...], bytes]]
+               ) -> ArrayRecord:
+    """An ArrayRecord of ready npy bytes: ``(dtype, shape, data)`` per key, not copied
+    (:meth:`fedagg.accumulate.Accumulator.mean_npy` writes a round's mean that way)."""
+    if len(keys) != len(arrays):
+        raise ValueError(f"{len(keys)} keys for {len(arrays)} arrays")
+    return ArrayRecord({k: Array(dtype=dt, shape=tuple(int(d) for d in shape),
+                                 stype="numpy.ndarray", data=data)
+                        for k, (dt, shape, data) in zip(keys, arrays, strict=True)})
 
 
 def record_to_arrays(record: ArrayRecord, *, copy: bool = True) -> tuple[list[str], list[np.ndarray]]:

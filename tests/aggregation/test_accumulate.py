@@ -297,3 +297,30 @@ def test_memory_is_one_int64_per_element() -> None:
     acc = Accumulator.for_model(ref, block=1 << 16)
     acc.fold([np.ones(1_000_000, np.float32)], 10)
     assert acc.nbytes <= 8 * 1_000_000 + 16 * (1 << 16)
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_mean_npy_is_the_mean_written_into_its_message_bytes(
+        in_place: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``mean_npy`` (the new model's npy bytes, written in place) equals ``mean()`` bit for bit
+    and loads with ``np.load``, for every dtype and layout; without CPython's ``pythonapi``
+    the bytearray fallback gives the same bytes."""
+    import io
+
+    from fedagg import npy
+
+    if not in_place:
+        monkeypatch.setattr(npy, "_from_string_and_size", lambda: None)
+    rng = np.random.default_rng(3)
+    ref = [rng.normal(size=(300, 70)).astype(np.float32), np.zeros(7, np.float64),
+           np.arange(5, dtype=np.int64), rng.normal(size=1_100_000).astype(np.float32),
+           np.zeros((0, 3), np.float32)]
+    acc = Accumulator.for_model(ref)
+    for i in range(3):
+        acc.fold([r + rng.normal(size=r.shape).astype(r.dtype) for r in ref], 3.0 + i)
+    for want, (dt, shape, data) in zip(acc.mean(), acc.mean_npy(), strict=True):
+        assert type(data) is bytes and dt == str(want.dtype) and shape == want.shape
+        got = np.load(io.BytesIO(data), allow_pickle=False)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+        assert data == npy.npy_header(want.dtype.str, want.shape) + want.tobytes()

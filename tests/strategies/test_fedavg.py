@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import reply_message, train_reply
-from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -147,3 +147,31 @@ def test_float64_reply_is_cast_as_flower_would_and_strict_mode_refuses_it() -> N
     out, _ = strict.aggregate_train(1, [a, b])
     assert "2" in strict.last_rejected and "strict_dtypes" in strict.last_rejected["2"]
     np.testing.assert_array_equal(record_to_arrays(out)[1][0], np.ones(3, np.float32))
+
+
+@pytest.mark.parametrize("max_norm", [None, 100.0])
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_value_is_refused_by_the_fold_and_leaves_no_trace(
+        value: float, max_norm: float | None) -> None:
+    """A streamed round has no separate finiteness pass: the fold reads every value and
+    refuses a NaN / Inf, undoing what it had folded of that reply (here the whole first
+    tensor, large enough for the threaded native path, and part of the second)."""
+    rng = np.random.default_rng(0)
+    g = [np.zeros(1_200_000, np.float32), np.zeros(200_000, np.float32)]
+    good = [rng.normal(size=t.size).astype(np.float32) * 0.01 for t in g]
+    bad = [rng.normal(size=t.size).astype(np.float32) * 0.01 for t in g]
+    bad[1][150_001] = value
+
+    def run(*replies: Message) -> tuple[ArrayRecord | None, FedAvg]:
+        s = FedAvg(max_update_norm=max_norm)
+        _configure(s, g)
+        return s.aggregate_train(1, list(replies))[0], s
+
+    alone, _ = run(train_reply(1, good, 10))
+    out, s = run(train_reply(2, bad, 10), train_reply(1, good, 10))
+    assert alone is not None and out is not None
+    for a, b in zip(record_to_arrays(alone)[1], record_to_arrays(out)[1], strict=True):
+        np.testing.assert_array_equal(a, b)  # bit for bit: the refused fold left nothing
+    assert list(s.last_rejected) == ["2"]
+    why = s.last_rejected["2"]
+    assert "node 2.arrays[1]" in why and "1 non-finite values" in why, why
