@@ -84,7 +84,7 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
                  f"asynchronous.buffer_size={args.secure_buffer or args.buffer}",
                  f"asynchronous.cohort_quorum={args.quorum}",
                  f"secagg.weight_scale={args.weight_scale}"]
-    cfg = load_config(None, over)
+    cfg = load_config(None, over + list(args.set))
     grid = DelayedGrid(client_app, cfg.run.sites, speed=speed_model(cfg), seed=args.seed)
     curve: list[tuple[float, float, int]] = []
     staleness: list[float] = []
@@ -171,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--variants", default="sync,deadline,fedbuff,secure-fedbuff")
     p.add_argument("--out", default=None)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra config override for every variant (repeatable), e.g. "
+                   "--set asynchronous.staleness='constant'")
     args = p.parse_args(argv)
 
     import logging

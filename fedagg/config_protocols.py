@@ -181,6 +181,12 @@ class AsynchronousConfig(_Section):
         "(the rest count as dropped and their masks are removed with Shamir shares; their "
         "late uploads are refused), or at run.round_timeout.",
     )
+    cohort_grace: float = Field(
+        0.0, ge=0, le=100,
+        description="Secure FedBuff: once a cohort's quorum uploaded, wait up to this multiple "
+        "of the time the quorum took (from the cohort's dispatch) for its other members "
+        "before it closes; it closes at once when all replied. 0 = close at the quorum.",
+    )
     max_seconds: float | None = Field(
         None, gt=0,
         description="Stop once the run's clock (simulated or wall seconds) passes this, even "

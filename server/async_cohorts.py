@@ -4,7 +4,9 @@ Under secure aggregation sites are dispatched ``K`` (``asynchronous.buffer_size`
 as a *cohort* with its own SecAgg+ instance (:func:`server.async_dispatch.cohort_strategy`):
 keyed and sent its masked-upload requests when dispatched (``_send_cohort``), closed once
 ``asynchronous.cohort_quorum`` of its sites uploaded or all replied (``_handle_upload``,
-``_quorum``), or at ``run.round_timeout``; closing unmasks the cohort's sum, with the masks of
+``_quorum``) and then, with ``asynchronous.cohort_grace`` > 0, after a grace period for its
+other members (``_CohortRun.close_at``, a time on the loop's clock: ``_expire`` closes it,
+``_wait`` wakes for it), or at ``run.round_timeout``; closing unmasks the cohort's sum, with the masks of
 its dropped and late sites removed from Shamir shares, and folds it into the buffer as one
 update of its dispatched version (``_close_cohort``). A late upload of a closed cohort is
 refused: under its own self mask it is never unmasked.
@@ -43,6 +45,7 @@ class _CohortRun:
     sink: CohortSink
     nodes: list[int]
     replies: dict[int, Message] = field(default_factory=dict)
+    close_at: float | None = None  # quorum reached: close then (the grace period's end)
 
 
 def _send_cohort(self: _AsyncRun, cohort_id: int) -> None:
@@ -79,8 +82,17 @@ def _handle_upload(self: _AsyncRun, job: Job, reply: Message) -> None:
             "and its update, under its own self mask, is never unmasked")
         return
     run.replies[job.node] = reply
+    if len(run.replies) >= len(run.nodes):
+        self._close_cohort(job.cohort)
+        return
     uploaded = sum(1 for r in run.replies.values() if not r.has_error())
-    if len(run.replies) >= len(run.nodes) or uploaded >= self._quorum(len(run.nodes)):
+    if run.close_at is None and uploaded >= self._quorum(len(run.nodes)):
+        # the quorum is in: wait a share of the time it took for the slower members (with
+        # fixed site speeds the one left out is always the slowest site, and its data with it)
+        now = self.clock.now()
+        started = self.state.cohorts[job.cohort].started_at
+        run.close_at = now + self.cfg.asynchronous.cohort_grace * max(now - started, 0.0)
+    if run.close_at is not None and self.clock.now() >= run.close_at:
         self._close_cohort(job.cohort)
 
 
@@ -109,7 +121,8 @@ def _close_cohort(self: _AsyncRun, cohort_id: int) -> None:
     for node, why in log.failed.items():
         if node not in run.replies:  # closed before it uploaded: late, not failed
             why = (f"cohort {cohort_id} closed ({uploaded} of {len(run.nodes)} uploads, "
-                   f"asynchronous.cohort_quorum = {self.cfg.asynchronous.cohort_quorum}) "
+                   f"asynchronous.cohort_quorum = {self.cfg.asynchronous.cohort_quorum}, "
+                   f"cohort_grace = {self.cfg.asynchronous.cohort_grace:g}) "
                    "before this site uploaded: counted as dropped, its masks removed with "
                    "Shamir shares")
         self.tally.errors.setdefault(str(node), why)

@@ -361,7 +361,8 @@ class _AsyncRun:
 
     # -- time --------------------------------------------------------------------------------------
     def _expire(self) -> None:
-        """Give up on dispatches past ``run.round_timeout``; close cohorts that waited as long."""
+        """Give up on dispatches past ``run.round_timeout``; close cohorts that waited as long
+        or whose grace period after their quorum ended."""
         now = self.clock.now()
         for mid, f in list(self.flights.items()):
             if now >= f.job.dispatched_at + self.job_timeout:
@@ -369,9 +370,10 @@ class _AsyncRun:
                 self.state.arrive(f.job.job)
                 self.tally.errors[str(f.job.node)] = (f"no reply within run.round_timeout = "
                                                       f"{self.job_timeout:g} s")
-        for cid in list(self.cohorts):
+        for cid, run in list(self.cohorts.items()):
             c = self.state.cohorts[cid]
-            if now >= c.started_at + self.job_timeout:
+            grace_over = run.close_at is not None and now >= run.close_at
+            if grace_over or now >= c.started_at + self.job_timeout:
                 self._close_cohort(cid)
         self._expire_evaluations()
 
@@ -416,6 +418,7 @@ class _AsyncRun:
         now = self.clock.now()
         targets = [f.job.dispatched_at + self.job_timeout for f in self.flights.values()]
         targets += [self.state.cohorts[c].started_at + self.job_timeout for c in self.cohorts]
+        targets += [r.close_at for r in self.cohorts.values() if r.close_at is not None]
         if self.mode == "deadline" and self.state.round:
             targets.append(self.state.round_started + self.cfg.asynchronous.deadline)
         if self.cfg.asynchronous.max_seconds is not None:

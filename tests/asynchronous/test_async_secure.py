@@ -107,6 +107,31 @@ def test_secure_cohort_timing_counts_key_setup(quorum: float) -> None:
     assert recs[1]["time"] == pytest.approx(2 * 1.0 + 11.0 + 1.0)
 
 
+@pytest.mark.parametrize("grace, factor, counted, closed_at", [
+    (0.0, 1.5, 3, 13.0),   # no grace: closes at the quorum (3 of 4 at 13 s)
+    (0.5, 1.5, 4, 18.0),   # grace until 13 + 0.5 x 13 = 19.5 s: the 4th (at 18 s) is in
+    (0.5, 2.0, 3, 19.5),   # the 4th would upload at 23 s: closed at the grace's end without it
+])
+def test_a_cohort_waits_its_grace_for_the_members_after_its_quorum(
+        grace: float, factor: float, counted: int, closed_at: float) -> None:
+    """Cohort of 4, quorum 3, sites 0-2 at factor 1 and site 3 slower. Key setup takes two
+    latencies (2 s), a job 10 s x factor plus one latency, the unmask one more latency."""
+    n = 4
+    speed = SpeedModel(seed=2, job_seconds=10.0, sigma=0.0, latency=1.0,
+                       factors=(1.0, 1.0, 1.0, factor))
+    cfg = config(n, "run.rounds=1", *SECURE, "asynchronous.buffer_size=4",
+                 "asynchronous.cohort_quorum=0.75", f"asynchronous.cohort_grace={grace}")
+    recs, got, grid = run(cfg, speed)
+    rec = recs[1]
+    assert rec["secagg_counted"] == counted and rec["secagg_dropped"] == 4 - counted
+    assert rec["time"] == pytest.approx(closed_at + 1.0)
+    slow = grid.node_ids[3]
+    assert (slow in rec["cohort_nodes"]) == (counted == 4)
+    if counted == 3:
+        assert f"cohort_grace = {grace:g}" in rec["errors"][str(slow)]
+    _check_against_plaintext(recs, got, grid, StalenessWeight("polynomial", 0.5, 4))
+
+
 def test_an_uploaded_cohort_member_frees_its_slot(monkeypatch: pytest.MonkeyPatch) -> None:
     """FedBuff's C counts sites still training: a member that uploaded only waits for its
     cohort's unmask, so once K such slots are free the next cohort opens, even while the
