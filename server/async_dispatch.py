@@ -182,6 +182,7 @@ def job_strategy(cfg: RunConfig) -> FedAvg | Compressed:
         raise ConfigError(explain("strategy.name", cfg.strategy.name,
                                   "is not a plaintext fedagg FedAvg", "see check_asynchronous"))
     _take_all(inner)
+    inner.precompute_grid = False  # it checks one reply; the buffer folds (no grid pass)
     assert isinstance(strategy, FedAvg | Compressed)
     return strategy
 

@@ -161,6 +161,10 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
         self.last_site_metrics: dict[str, dict[str, float]] = {}
         self._global: tuple[list[str], list[np.ndarray]] | None = None
         self._grid: tuple[list[np.ndarray], list[int]] | None = None
+        self.precompute_grid = True
+        """Derive the accumulator's grid in configure_train (while the sites train); off for
+        an instance that only builds messages and checks replies (the asynchronous loop's
+        per-dispatch strategies): it would be a wasted pass over the model."""
         self._sent: tuple[int, int] | None = None
         """``(round, train messages)`` of the last configure_train: at most that many updates
         come back (the streamed guards keep aside fewer updates with it)."""
@@ -214,7 +218,8 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
         # the accumulator's grid depends only on the model sent: derived now, while the sites
         # train, not after the last reply came (a pass over the model, ~10 ms per 10M values)
         self._grid = ((self._global[1], grid_exponents(self._global[1]))
-                      if self.shards <= 1 and self.fraction_train != 0.0 else None)
+                      if self.precompute_grid and self.shards <= 1
+                      and self.fraction_train != 0.0 else None)
         if self.fraction_train == 0.0:
             return []
         config["server-round"] = server_round

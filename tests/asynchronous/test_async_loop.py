@@ -207,3 +207,26 @@ def test_combinations_the_loop_cannot_run_are_refused_with_the_fix(over: list[st
     cfg = config(10, *base, *over)
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         check_asynchronous(cfg)
+
+
+def test_dispatch_strategies_skip_the_accumulator_grid_pass(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop's per-dispatch FedAvg builds one message and checks one reply (the buffer
+    folds), so configure_train must not derive the accumulator's grid there; a synchronous
+    FedAvg does (its round folds with it)."""
+    import strategies.fedavg as fedavg_mod
+
+    calls: list[int] = []
+    real = fedavg_mod.grid_exponents
+
+    def counted(arrays, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(len(arrays))
+        return real(arrays, *args, **kwargs)
+
+    monkeypatch.setattr(fedavg_mod, "grid_exponents", counted)
+    cfg = config(4, "run.rounds=3", "asynchronous.mode='fedbuff'", "asynchronous.buffer_size=2",
+                 "asynchronous.concurrency=4")
+    recs, _, _ = run(cfg, SpeedModel(seed=1, sigma=0.5))
+    assert recs[-1]["version"] == 3 and calls == []
+    _sync([], 4, 1)
+    assert calls  # the synchronous round precomputed it
