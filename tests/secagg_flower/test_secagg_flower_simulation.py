@@ -1,12 +1,14 @@
 """End to end on Flower's simulation engine (Ray), through ``fedagg simulate``: 5 sites, 3
 rounds, site 2 killed in round 2 after training and before its masked upload.
 
-Oracle (independent of the secure path): a second simulation run of plain FedAvg with the same
-seed in which site 2 fails at "train" in round 2, i.e. the plaintext FedAvg of the survivors.
-Sites train deterministically (seeded by run seed, round and partition), so both runs see the
-same site models; the secure model may differ only by the fixed-point error, which training in
+Oracle (independent of the secure path): a second run of plain FedAvg with the same seed in
+which site 2 fails at "train" in round 2, i.e. the plaintext FedAvg of the survivors. It runs
+in-process (:class:`server.inprocess.InProcessGrid`, the same ClientApp and serialisation, no
+Ray start-up): sites train deterministically (seeded by run seed, round and partition), so it
+sees the same site models as on the simulation engine (measured: its model equals a Ray run's
+bit for bit); the secure model may differ only by the fixed-point error, which training in
 later rounds carries along. To show the tolerance is meaningful, a third, in-process plain
-FedAvg run (no Ray) in which site 2 is NOT dropped must differ from the oracle by far more.
+FedAvg run in which site 2 is NOT dropped must differ from the oracle by far more.
 """
 
 from __future__ import annotations
@@ -49,6 +51,17 @@ def _simulate(run_dir: Path, *overrides: str) -> tuple[list[dict[str, Any]], dic
         return records, {k: npz[k] for k in npz.files}
 
 
+def _inprocess(run_dir: Path, *overrides: str
+               ) -> tuple[list[dict[str, Any]], dict[str, np.ndarray]]:
+    """The same run in this process: 5 in-process SuperNodes running the real ClientApp."""
+    cfg = load_config(None, [*overrides, "run.seed=1"])
+    run_dir.mkdir()
+    run_server(InProcessGrid(app, 5), cfg, run_dir)
+    records: list[dict[str, Any]] = json.loads((run_dir / "metrics.json").read_text())
+    with np.load(run_dir / "model.npz") as npz:
+        return records, {k: npz[k] for k in npz.files}
+
+
 def _diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
     assert a.keys() == b.keys()
     return max(float(np.abs(a[k].astype(np.float64) - b[k]).max()) for k in a)
@@ -58,8 +71,8 @@ def test_secure_run_with_a_site_killed_mid_round_matches_fedavg_of_survivors(tmp
                                                                             ) -> None:
     secure, m_secure = _simulate(tmp_path / "secure", *COMMON, "strategy.name=secure",
                                  "faults.crash_stage=upload")
-    plain, m_plain = _simulate(tmp_path / "plain", *COMMON, "strategy.name=fedavg",
-                               "faults.crash_stage=train")
+    plain, m_plain = _inprocess(tmp_path / "plain", *COMMON, "strategy.name=fedavg",
+                                "faults.crash_stage=train")
 
     assert [r["round"] for r in secure] == [0, 1, 2, 3]
     for r in secure[1:]:
@@ -76,10 +89,6 @@ def test_secure_run_with_a_site_killed_mid_round_matches_fedavg_of_survivors(tmp
     assert gap <= TOL, f"secure model differs from FedAvg of the survivors by {gap}"
 
     # Sharpness of the oracle: keeping site 2 in round 2 changes the model far beyond TOL.
-    cfg_all = load_config(None, [*COMMON[:4], "strategy.name=fedavg", "run.seed=1"])
-    (tmp_path / "all").mkdir()
-    run_server(InProcessGrid(app, 5), cfg_all, tmp_path / "all")
-    with np.load(tmp_path / "all" / "model.npz") as npz:
-        m_all = {k: npz[k] for k in npz.files}
+    _, m_all = _inprocess(tmp_path / "all", *COMMON[:4], "strategy.name=fedavg")
     assert _diff(m_all, m_plain) > 10 * TOL
     assert float(secure[-1]["accuracy"]) > float(secure[0]["accuracy"]) + 0.2

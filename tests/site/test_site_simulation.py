@@ -1,7 +1,7 @@
 """Multi-worker sites end to end on Flower's real simulation engine (Ray), via `fedagg simulate`.
 
 Two runs (each ~1 minute of Ray start-up plus training):
-* process mode, 3 sites x 2 persistent worker processes x 3 rounds (the pools live in the Ray
+* process mode, 2 sites x 2 persistent worker processes x 3 rounds (the pools live in the Ray
   actors that host the ClientApps), and in round 2 worker 1 of site 1 is SIGKILLed mid-round:
   the site is elastic, so it still replies -- with the update of its surviving worker (site
   metrics: workers 1, workers_lost 1) -- round 3 runs with 2 workers again, and no worker
@@ -25,7 +25,7 @@ from conftest import process_cmdlines
 # minutes on an idle 2-core machine, ~4 minutes at load average 20.
 pytestmark = [pytest.mark.flower, pytest.mark.slow, pytest.mark.timeout(900)]
 
-COMMON = ("run.sites=3", "run.seed=1", "data.max_train_examples=900",
+COMMON = ("run.seed=1", "data.max_train_examples=900",
           "data.partitioner=iid", "train.local_epochs=1", "site.workers=2")
 
 
@@ -58,12 +58,12 @@ def _workers_of(path: Path, wait: float = 20.0) -> list[str]:
 
 def test_process_mode_sites_with_a_killed_worker(tmp_path: Path) -> None:
     records, _ = _simulate(
-        tmp_path, "run.rounds=3", "site.mode=process", "faults.kill_worker=1",
+        tmp_path, "run.sites=2", "run.rounds=3", "site.mode=process", "faults.kill_worker=1",
         "faults.worker_fault_site=1", "faults.worker_fault_round=2", "faults.worker_fault_step=3")
     assert [r["round"] for r in records] == [0, 1, 2, 3]
     r1, r2, r3 = records[1], records[2], records[3]
     for r in (r1, r2, r3):
-        assert r["sites_replied"] == 3 and r["sites_failed"] == 0, r
+        assert r["sites_replied"] == 2 and r["sites_failed"] == 0, r
     site1 = [r["site_metrics"]["1"] for r in (r1, r2, r3)]  # type: ignore[index]
     assert [m["workers"] for m in site1] == [2, 1, 2], site1  # elastic: survivor, then replaced
     assert site1[1]["workers_lost"] == 1 and site1[1]["round_attempts"] == 2
@@ -75,7 +75,7 @@ def test_process_mode_sites_with_a_killed_worker(tmp_path: Path) -> None:
 
 
 def test_inprocess_mode_sites(tmp_path: Path) -> None:
-    records, _ = _simulate(tmp_path, "run.rounds=2", "site.mode=inprocess")
+    records, _ = _simulate(tmp_path, "run.sites=3", "run.rounds=2", "site.mode=inprocess")
     assert [r["round"] for r in records] == [0, 1, 2]
     for r in records[1:]:
         assert r["sites_replied"] == 3 and r["sites_failed"] == 0
