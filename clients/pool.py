@@ -405,6 +405,8 @@ class ThreadPool(WorkerPool):
         progress = Progress(k)
         stop = threading.Event()
         lock = threading.Lock()
+        wake = threading.Event()  # set as each worker ends: no poll interval lost per job
+        ended = [0]
 
         def body(rank: int) -> None:
             try:
@@ -423,13 +425,21 @@ class ThreadPool(WorkerPool):
                         primary=not isinstance(exc, CollectiveError),
                         lost=isinstance(exc, WorkerLost)))
                 group.abort(f"worker {rank} failed")
+            finally:
+                with lock:
+                    ended[0] += 1
+                wake.set()
 
         threads = [threading.Thread(target=body, args=(r,), name=f"{self.name}-worker{r}",
                                     daemon=True) for r in range(k)]
         for t in threads:
             t.start()
-        while any(t.is_alive() for t in threads) and not failures:
-            time.sleep(POLL_S)
+        while True:
+            with lock:
+                if ended[0] >= k or failures:
+                    break
+            wake.wait(POLL_S)
+            wake.clear()
             for r in progress.stalled(self.site.worker_timeout):
                 with lock:
                     failures.append(progress.hung(r, self.site.worker_timeout, None))

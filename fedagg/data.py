@@ -115,12 +115,34 @@ def load_dataset(
     )
 
 
-def _load_digits(test_fraction: float, seed: int) -> Dataset:
+def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits (1,797 x 64 pixel values, labels), as ``load_digits`` returns them.
+
+    Read straight from the CSV that scikit-learn ships (``sklearn/datasets/data/digits.csv.gz``,
+    the file ``load_digits`` parses) without importing scikit-learn: that import costs ~1 s of
+    CPU in every process that loads the data (each deployed ClientApp, each Ray actor, each
+    site worker). Falls back to ``load_digits`` when the file is not where it used to be.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")  # locates the package without importing it
+    if spec is not None and spec.origin:
+        path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"
+        if path.is_file():
+            with gzip.open(path, "rt") as f:
+                table = np.loadtxt(f, delimiter=",")
+            if table.ndim == 2 and table.shape[1] == 65:
+                return table[:, :-1], table[:, -1].astype(np.int64)
     from sklearn.datasets import load_digits
 
     bunch = load_digits()
-    x = (np.asarray(bunch.data, dtype=np.float32) / 16.0).reshape(-1, 1, 8, 8)
-    y = np.asarray(bunch.target, dtype=np.int64)
+    return np.asarray(bunch.data), np.asarray(bunch.target)
+
+
+def _load_digits(test_fraction: float, seed: int) -> Dataset:
+    data, target = _digits_arrays()
+    x = (np.asarray(data, dtype=np.float32) / 16.0).reshape(-1, 1, 8, 8)
+    y = np.asarray(target, dtype=np.int64)
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(y))
     n_test = round(len(y) * test_fraction)

@@ -93,3 +93,18 @@ def test_real_fashion_mnist() -> None:
     """Needs the Debian package dataset-fashion-mnist (installed by .ci/run)."""
     ds = load_dataset("fashion-mnist")
     assert ds.x_train.shape == (60000, 1, 28, 28) and ds.x_test.shape == (10000, 1, 28, 28)
+
+
+def test_digits_are_read_as_scikit_learn_loads_them_without_importing_it() -> None:
+    """fedagg reads scikit-learn's bundled digits CSV itself (no ~1 s sklearn import per
+    process); oracle: ``sklearn.datasets.load_digits``, compared in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from fedagg.data import _digits_arrays; x, y = _digits_arrays(); "
+            "assert 'sklearn' not in sys.modules, 'sklearn was imported'; "
+            "from sklearn.datasets import load_digits; b = load_digits(); "
+            "import numpy as np; assert np.array_equal(x, b.data) and x.dtype == b.data.dtype; "
+            "assert np.array_equal(y, b.target) and y.dtype == np.int64; print(x.shape)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "(1797, 64)" in out.stdout, out.stderr[-2000:]
