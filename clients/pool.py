@@ -10,11 +10,11 @@ weights and the round's settings, as a DDP job keeps its processes across iterat
 
 Where the pool lives. :func:`pool_for` keeps one pool per site in a module-level registry
 keyed by :class:`PoolKey` = (Flower run id, node id, task identity), so two simulated sites
-served by the same ClientApp host process (a Ray actor) never share a pool, and a new run or
-a changed task gets fresh workers. In deployment, where Flower starts a fresh ClientApp
+served by one ClientApp host (a Ray actor) never share a pool, and a new run or task gets
+fresh workers. In deployment, where Flower starts a fresh ClientApp
 process for every message, the registry lives in the site's worker service
 (:mod:`clients.service`). Without a key (``site.persistent = false``, benchmarks, tests) a
-pool serves one round and is closed.
+pool serves one round.
 
 Elastic rounds (the semantics of torchelastic's agent, adapted: PyTorch docs, "torchrun
 (Elastic Launch)", membership changes and ``--max-restarts``). A worker that dies (killed by
@@ -25,8 +25,8 @@ round again from the round's global weights (the kept optimizer state restored t
 start). The data is re-sharded by construction -- worker k of K' takes the k-th slice of every
 global batch (or ``train_loader(k, K')``) -- so the redone round gives the update K workers
 would have given (within float32 summation order). The reply's metrics say so
-(``workers``, ``workers_lost``, ``round_attempts``). At the next round the lost workers are
-replaced and the group is formed with K workers again. A worker that *raises* (a bug in the
+(``workers``, ``workers_lost``, ``round_attempts``). The next round replaces the lost
+workers: the group has K workers again. A worker that *raises* (a bug in the
 user's step, bad data) fails the site as before: redoing would raise again. So do fewer than
 ``site.min_workers`` survivors. If no worker survived (the whole pool died, e.g. killed
 together between rounds), the pool is started again once within the round and the round
@@ -405,8 +405,7 @@ class ThreadPool(WorkerPool):
         progress = Progress(k)
         stop = threading.Event()
         lock = threading.Lock()
-        wake = threading.Event()  # set as each worker ends: no poll interval lost per job
-        ended = [0]
+        ended = threading.Semaphore(0)  # released as each worker ends: no poll lost per job
 
         def body(rank: int) -> None:
             try:
@@ -426,20 +425,15 @@ class ThreadPool(WorkerPool):
                         lost=isinstance(exc, WorkerLost)))
                 group.abort(f"worker {rank} failed")
             finally:
-                with lock:
-                    ended[0] += 1
-                wake.set()
+                ended.release()
 
         threads = [threading.Thread(target=body, args=(r,), name=f"{self.name}-worker{r}",
                                     daemon=True) for r in range(k)]
         for t in threads:
             t.start()
-        while True:
-            with lock:
-                if ended[0] >= k or failures:
-                    break
-            wake.wait(POLL_S)
-            wake.clear()
+        running = k
+        while running and not failures:
+            running -= ended.acquire(timeout=POLL_S)
             for r in progress.stalled(self.site.worker_timeout):
                 with lock:
                     failures.append(progress.hung(r, self.site.worker_timeout, None))
