@@ -36,6 +36,7 @@ from flwr.clientapp.typing import Mod
 from clients.faults import inject_faults, worker_fault
 from clients.protocol import (
     StageHook,
+    answer_carry,
     answer_secagg,
     encode_reply,
     fedagg_mod,
@@ -128,6 +129,8 @@ def make_client_app(task: TaskSource = None, *, mods: Sequence[Mod] = ()) -> Cli
         on_stage: StageHook = hook
         if rnd is not None and not rnd.trains:
             return answer_secagg(msg, context, rnd, on_stage)
+        if rnd is not None and rnd.carry is not None and rnd.carry.carries:
+            return answer_carry(msg, context, rnd, on_stage)
         settings = SiteSettings.from_message(msg, context)
         inject_faults(settings, "train")
         keys, weights = (rnd.keys, rnd.sent) if rnd is not None else _model(msg)

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 
+from clients import carry
 from fedagg.compression import codec
 from fedagg.errors import ProtocolError, explain
 from fedagg.secagg import (
@@ -59,12 +60,14 @@ from fedagg.update import (
     decode_down,
 )
 from strategies.wire import (
+    CARRY_KEY,
     INSTRUCTION_KEY,
     PARAMS_KEY,
     PREVIOUS_KEY,
     REPLY_KEY,
     SECAGG_KEYS,
     VOTES_KEY,
+    CarryRequest,
     Instruction,
     arrays_to_record,
     dict_from_records,
@@ -84,6 +87,7 @@ __all__ = [
     "SECAGG_STATE_CONFIG",
     "STATE_KEY",
     "FedaggRound",
+    "answer_carry",
     "answer_secagg",
     "clean_message",
     "encode_reply",
@@ -99,7 +103,7 @@ PREV_KEY = "fedagg.previous-global"
 STATE_KEY = "fedagg.compression-state"
 SECAGG_STATE_CONFIG = "fedagg.secagg-state"
 SECAGG_STATE_ARRAYS = "fedagg.secagg-state-arrays"
-_FEDAGG_RECORDS = (INSTRUCTION_KEY, PREVIOUS_KEY, VOTES_KEY, *SECAGG_KEYS)
+_FEDAGG_RECORDS = (INSTRUCTION_KEY, PREVIOUS_KEY, VOTES_KEY, CARRY_KEY, *SECAGG_KEYS)
 
 CallNext = Callable[[Message, Context], Message]
 StageHook = Callable[[str], None]
@@ -126,6 +130,8 @@ class FedaggRound:
         The previous round's model, when the server sent it.
     votes : tuple of (int, ndarray) or None
         ``(round, summed vote table)`` the server sent (secure index voting).
+    carry : CarryRequest or None
+        Secure FedBuff: hold this upload's update, or upload a held one (:mod:`clients.carry`).
     """
 
     instruction: Instruction | None
@@ -137,6 +143,7 @@ class FedaggRound:
     sent: list[np.ndarray]
     previous: list[np.ndarray] | None = None
     votes: tuple[int, np.ndarray] | None = None
+    carry: CarryRequest | None = None
 
     @property
     def secure(self) -> bool:
@@ -201,7 +208,9 @@ def parse_round(msg: Message) -> FedaggRound | None:
                                         f"names a vote sum but the message has no {VOTES_KEY!r}",
                                         "run the same fedagg version on the server and sites"))
         votes = (instr.votes_round, votes_from_record(content.array_records[VOTES_KEY]))
-    return FedaggRound(instr, site, params, stage, key, keys, sent, previous, votes)
+    crec = content.config_records.get(CARRY_KEY) if params is not None else None
+    carry = CarryRequest.from_record(crec) if crec is not None else None
+    return FedaggRound(instr, site, params, stage, key, keys, sent, previous, votes, carry)
 
 
 def clean_message(msg: Message, rnd: FedaggRound) -> Message:
@@ -283,6 +292,31 @@ def answer_secagg(msg: Message, context: Context, rnd: FedaggRound,
     return _reply(msg, answer)
 
 
+def answer_carry(msg: Message, context: Context, rnd: FedaggRound,
+                 on_stage: StageHook | None = None) -> Message:
+    """Secure FedBuff: mask the held update the server asks for, instead of training.
+
+    Raises
+    ------
+    ProtocolError
+        The request is not for a dense secure upload, or :func:`clients.carry.take` refuses
+        it (no such held update, wrong proof, wrong size).
+    """
+    assert rnd.carry is not None and rnd.site is not None and rnd.params is not None
+    if not rnd.spec().dense:
+        raise ProtocolError(explain(f"{CARRY_KEY}.round", rnd.carry.round,
+                                    "only a dense secure update is carried",
+                                    "the server trains the site afresh"))
+    if on_stage is not None:
+        on_stage("upload")
+    values, weight = carry.take(context, rnd.carry, sum(int(a.size) for a in rnd.sent))
+    state = _load(context, rnd.site, rnd.params)
+    mask = SecAggMasker(state, unpack(msg.content, RoundRequest), rng=np.random.default_rng())
+    masked = mask(values, weight)
+    _save(context, state)
+    return _reply(msg, masked)
+
+
 # -- the upload ---------------------------------------------------------------------------------
 def _site_rng(ctx: Context, instr: Instruction) -> np.random.Generator:
     """The site's private generator of the round (stochastic rounding, private random-k)."""
@@ -361,6 +395,11 @@ def encode_reply(msg: Message, ctx: Context, rnd: FedaggRound, trained: list[np.
     if instr is not None:
         ctx.state[STATE_KEY + ns] = ConfigRecord({"spec": spec.up, "round": server_round})
     if state is not None:
+        if rnd.carry is not None and upload.values is not None and spec.dense:
+            carry.hold(ctx, _config_round(msg), upload.values, upload.weight,
+                       state.last_drop_proof)
+        else:
+            carry.forget(ctx)
         _save(ctx, state)
         return _reply(msg, upload.masked)
     content = RecordDict({"metrics": MetricRecord(_scalars(metrics))})
@@ -369,6 +408,16 @@ def encode_reply(msg: Message, ctx: Context, rnd: FedaggRound, trained: list[np.
     else:  # downward-only compression: the trained model itself
         content["arrays"] = arrays_to_record(trained, rnd.keys)
     return Message(content=content, reply_to=msg)
+
+
+def _config_round(msg: Message) -> int:
+    """The ``server-round`` of the message's run config (the server's job number)."""
+    rec = msg.content.config_records.get("config")
+    value = rec.get("server-round") if rec is not None else None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProtocolError(explain("config.server-round", value, "must be an int",
+                                    "send the run config with the round"))
+    return value
 
 
 def _scalars(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -409,8 +458,9 @@ def read_plain_reply(reply: Message, keys: list[str]) -> tuple[list[np.ndarray],
 def fedagg_mod(msg: Message, ctx: Context, call_next: CallNext) -> Message:
     """Flower client mod: fedagg's compression and secure aggregation for any ClientApp.
 
-    Plain messages pass through. A secure setup / unmask stage is answered here (the train
-    handler is not called). A training round: the handler gets the message without fedagg's
+    Plain messages pass through. A secure setup / unmask stage, and secure FedBuff's request to
+    carry a held update (:mod:`clients.carry`), are answered here (the train handler is not
+    called). A training round: the handler gets the message without fedagg's
     records and with the model decoded, replies as Flower's examples do (``"arrays"`` +
     ``"metrics"`` with ``num-examples``), and this mod turns the reply into the compressed or
     masked upload.
@@ -428,6 +478,8 @@ def fedagg_mod(msg: Message, ctx: Context, call_next: CallNext) -> Message:
     hook = _fault_hook(msg, ctx)
     if not rnd.trains:
         return answer_secagg(msg, ctx, rnd, hook)
+    if rnd.carry is not None and rnd.carry.carries:
+        return answer_carry(msg, ctx, rnd, hook)
     reply = call_next(clean_message(msg, rnd), ctx)
     if reply.has_error():
         return reply

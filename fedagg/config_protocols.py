@@ -187,6 +187,13 @@ class AsynchronousConfig(_Section):
         "of the time the quorum took (from the cohort's dispatch) for its other members "
         "before it closes; it closes at once when all replied. 0 = close at the quorum.",
     )
+    carry_late: bool = Field(
+        True,
+        description="Secure FedBuff, dense uploads: a member whose upload arrived after its "
+        "cohort closed uploads that update again, masked for its next cohort and scaled by "
+        "its extra staleness, instead of training afresh (the server proves to it that the "
+        "late upload was never unmasked). false = late updates are wasted.",
+    )
     max_seconds: float | None = Field(
         None, gt=0,
         description="Stop once the run's clock (simulated or wall seconds) passes this, even "

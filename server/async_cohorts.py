@@ -25,9 +25,11 @@ from flwr.app import Message
 
 from fedagg.asyncagg import Job
 from fedagg.errors import UpdateRejected
+from server.async_carry import Carry
 from server.async_dispatch import CohortSink, NodeView, cohort_strategy, config_with_round
 from server.runner import client_config
 from strategies.secure import SecureAggregation
+from strategies.wire import CARRY_KEY
 
 if TYPE_CHECKING:
     from server.asynchronous import _AsyncRun
@@ -46,6 +48,33 @@ class _CohortRun:
     nodes: list[int]
     replies: dict[int, Message] = field(default_factory=dict)
     close_at: float | None = None  # quorum reached: close then (the grace period's end)
+    carried: dict[int, tuple[Carry, int]] = field(default_factory=dict)  # (carry, older by)
+
+
+def _open_cohort(self: _AsyncRun) -> bool:
+    """Open the next cohort if ``K`` sites are free and ``K`` slots of ``C`` are (True).
+
+    C counts the sites still training for an open cohort. One that uploaded only waits for
+    its cohort's unmask (it is sent nothing else meanwhile), so its slot goes to the next
+    cohort; a late member of a closed cohort stays busy (it is not sent anything until it
+    answers) but no longer holds a slot either. Sites holding a carriable update go first
+    (:mod:`server.async_carry`), the others are a seeded choice.
+    """
+    busy = self.state.busy()
+    free = [n for n in self._nodes() if n not in busy]
+    k = self.cfg.asynchronous.buffer_size
+    active = sum(self._training(c.cohort, c.members) for c in self.state.cohorts.values())
+    if len(free) < k or active + k > self.concurrency:
+        return False
+    first = self.carry.first(free, k, self.state.version)
+    rest = [n for n in free if n not in first]
+    pick = sorted(first + (self.state.choose(rest, k - len(first), "cohort")
+                           if len(first) < k else []))
+    if set(pick) & self._evaluating():
+        return False
+    cohort = self.state.open_cohort(pick, self.clock.now())
+    self._send_cohort(cohort.cohort)
+    return True
 
 
 def _send_cohort(self: _AsyncRun, cohort_id: int) -> None:
@@ -67,6 +96,12 @@ def _send_cohort(self: _AsyncRun, cohort_id: int) -> None:
         return
     run = _CohortRun(sec, sink, [m.metadata.dst_node_id for m in msgs])
     self.cohorts[cohort_id] = run
+    if self.carry.enabled:
+        for m, (request, carry) in zip(msgs, self.carry.requests(run.nodes, c.version).values(),
+                                       strict=True):
+            m.content.config_records[CARRY_KEY] = request.to_record()
+            if carry is not None:
+                run.carried[m.metadata.dst_node_id] = (carry, c.version - carry.version)
     for m in msgs:
         job = self.state.dispatch(m.metadata.dst_node_id, self.clock.now(),
                                   server_round=c.server_round, cohort=cohort_id)
@@ -76,10 +111,12 @@ def _send_cohort(self: _AsyncRun, cohort_id: int) -> None:
 def _handle_upload(self: _AsyncRun, job: Job, reply: Message) -> None:
     run = self.cohorts.get(job.cohort)
     if run is None:
+        carried = self.carry.replied(job.node, not reply.has_error())
         self.tally.refused[str(job.node)] = (
             f"node {job.node}: masked upload for cohort {job.cohort} arrived after the cohort "
             "closed: it was counted as dropped, its masks were removed with Shamir shares, "
-            "and its update, under its own self mask, is never unmasked")
+            "and this upload, under its own self mask, is never unmasked"
+            + ("; the site carries its update into its next cohort" if carried else ""))
         return
     run.replies[job.node] = reply
     if len(run.replies) >= len(run.nodes):
@@ -111,6 +148,10 @@ def _close_cohort(self: _AsyncRun, cohort_id: int) -> None:
     """Unmask the cohort's sum (Shamir recovery of its dropped / late sites); fold, apply."""
     run = self.cohorts.pop(cohort_id)
     c = self.state.close_cohort(cohort_id)
+    stale = self.carry.too_stale(run.carried, self.state.version - c.version)
+    for node, why in stale.items():
+        run.replies.pop(node, None)
+        self.tally.refused[str(node)] = why
     replies = [r for r in run.replies.values()]
     self.tally.replied += sum(1 for r in replies if not r.has_error())
     run.sec.aggregate_train(c.server_round, replies)
@@ -128,6 +169,11 @@ def _close_cohort(self: _AsyncRun, cohort_id: int) -> None:
         self.tally.errors.setdefault(str(node), why)
     for who, why in log.rejected.items():
         self.tally.refused.setdefault(str(who), why)
+    server = run.sec.server
+    if server is not None:
+        proofs = {run.sec.sites.node(i): p for i, p in server.drop_proofs.items()}
+        late = [n for n in run.nodes if n not in run.replies and n not in run.carried]
+        self.carry.removed(late, proofs, server_round=c.server_round, version=c.version)
     result = run.sec.last_result
     if run.sink.captured is None or result is None:
         why = log.aborted or "secure aggregation returned no aggregate"
@@ -139,7 +185,10 @@ def _close_cohort(self: _AsyncRun, cohort_id: int) -> None:
         "cohort": cohort_id, "cohort_version": c.version, "cohort_round": c.server_round,
         "cohort_nodes": sorted(run.sec.sites.node(i) for i in result.counted),
         "secagg_counted": len(result.counted), "secagg_dropped": len(result.dropped),
-        "secagg_error_bound": float(result.error_bound)}
+        "secagg_error_bound": float(result.error_bound),
+        "cohort_carried": {str(n): {"round": cr.round, "version": cr.version, "older": older}
+                           for n, (cr, older) in sorted(run.carried.items())
+                           if run.sec.sites.index(n) in result.counted}}
     try:
         self.state.fold(delta, node=-1, partition=-1, job=cohort_id, version=c.version,
                         weight=weight, count=sites)

@@ -64,6 +64,7 @@ from fedagg.config import RunConfig
 from fedagg.errors import ConfigError, RunFailed, UpdateRejected, explain
 from fedagg.report import atomic_write_bytes
 from server import async_cohorts, async_evaluate, async_records
+from server.async_carry import CarryBook
 from server.async_cohorts import _CohortRun
 from server.async_dispatch import (
     NodeView,
@@ -142,6 +143,7 @@ class _AsyncRun:
         self.run_id = os.urandom(16)
         self.flights: dict[str, _Flight] = {}
         self.cohorts: dict[int, _CohortRun] = {}
+        self.carry = CarryBook.from_config(cfg, self.concurrency)  # late members' updates
         self.records: list[dict[str, Any]] = []
         self.tally = _Tally()
         self.arrivals = 0
@@ -236,6 +238,7 @@ class _AsyncRun:
         self._push(job, strategy, msgs[0])
 
     _send_cohort = async_cohorts._send_cohort
+    _open_cohort = async_cohorts._open_cohort
 
     def _release_held(self) -> None:
         """Send the held train jobs whose site no longer evaluates."""
@@ -260,24 +263,12 @@ class _AsyncRun:
         if self.mode != "fedbuff" or self.done:
             return
         while True:
-            busy = self.state.busy()
-            free = [n for n in self._nodes() if n not in busy]
             if self.secure:
-                # C counts the sites still training for an open cohort. One that uploaded only
-                # waits for its cohort's unmask (it is sent nothing else meanwhile), so its slot
-                # goes to the next cohort; a late member of a closed cohort stays busy (it is
-                # not sent anything until it answers) but no longer holds a slot either
-                k = self.cfg.asynchronous.buffer_size
-                active = sum(self._training(c.cohort, c.members)
-                             for c in self.state.cohorts.values())
-                if len(free) < k or active + k > self.concurrency:
+                if not self._open_cohort():
                     return
-                pick = self.state.choose(free, k, "cohort")
-                if set(pick) & self._evaluating():
-                    return
-                cohort = self.state.open_cohort(pick, self.clock.now())
-                self._send_cohort(cohort.cohort)
             else:
+                busy = self.state.busy()
+                free = [n for n in self._nodes() if n not in busy]
                 if not free or len(busy) >= self.concurrency:
                     return
                 [node] = self.state.choose(free, 1, "fedbuff")

@@ -34,7 +34,7 @@ from flwr.clientapp import ClientApp
 from fedagg.asyncagg import SpeedModel, VirtualClock, WallClock
 from fedagg.config import RunConfig
 from server.inprocess import InProcessGrid
-from strategies.wire import PARAMS_KEY
+from strategies.wire import CARRY_KEY, PARAMS_KEY
 
 __all__ = ["DelayedGrid", "site_work", "speed_model"]
 
@@ -69,12 +69,15 @@ def speed_model(cfg: RunConfig, work: Mapping[int, float] | None = None) -> Spee
 
 def _trains(msg: Message) -> bool:
     """Whether the message makes the site train (not a key-setup or unmask stage, not an
-    evaluation)."""
+    evaluation, not secure FedBuff's carry of a held update)."""
     if not msg.has_content() or str(msg.metadata.message_type).startswith("evaluate"):
         return False
     rec = msg.content.config_records.get(PARAMS_KEY)
     if rec is None:
         return True
+    carry = msg.content.config_records.get(CARRY_KEY)
+    if carry is not None and carry.get("round", -1) != -1:
+        return False  # a held update, masked again (clients.carry): no training
     return rec.get("stage") in (None, "upload")
 
 

@@ -50,6 +50,7 @@ from fedagg.secagg.keys import (
     ShareKind,
     commit_seed,
     decrypt_share,
+    drop_proof,
     encrypt_share,
     pairwise_mask_key,
     self_mask_key,
@@ -162,6 +163,9 @@ class ClientState:
         self._revealed_b: set[int] = set()
         self._revealed_s: set[int] = set()
         self._revealed_keys: set[tuple[int, int]] = set()
+        self.last_drop_proof = b""
+        """:func:`~fedagg.secagg.keys.drop_proof` of the mask key of this site's last upload
+        (what the server can show only if it declared that upload dropped); not saved."""
 
     def __repr__(self) -> str:
         return (
@@ -436,6 +440,8 @@ class ClientState:
         next_blob = self._encrypt_shares(
             nxt.secret_bytes(), self.neighbours, ShareKind.MASK_KEY, self.gen + 1
         )
+        self.last_drop_proof = drop_proof(s.secret_bytes(), run_id=self.run_id, epoch=self.epoch,
+                                          site=self.site, gen=self.gen)
         self._s, self.gen = nxt, self.gen + 1  # the used key is forgotten here
         self.round = request.round
         self._round_gens = gens

@@ -37,6 +37,7 @@ __all__ = [
     "KEY_BYTES",
     "NONCE_BYTES",
     "TAG_ADVERTISED_KEYS",
+    "TAG_DROP_PROOF",
     "TAG_GRAPH",
     "TAG_PAIRWISE_MASK",
     "TAG_SEED_COMMITMENT",
@@ -50,6 +51,7 @@ __all__ = [
     "context",
     "decrypt_share",
     "derive_key",
+    "drop_proof",
     "encrypt_share",
     "is_canonical_public_key",
     "pairwise_mask_key",
@@ -71,6 +73,7 @@ TAG_SHARE_ENCRYPTION: Final = b"fedagg/secagg/v1/share-encryption"
 TAG_GRAPH: Final = b"fedagg/secagg/v2/neighbour-graph"
 TAG_ADVERTISED_KEYS: Final = b"fedagg/secagg/v2/advertised-keys"
 TAG_SEED_COMMITMENT: Final = b"fedagg/secagg/v1/seed-commitment"
+TAG_DROP_PROOF: Final = b"fedagg/secagg/v2/drop-proof"
 _AAD_PREFIX: Final = b"fedagg/secagg/v1/share-aad"
 
 
@@ -271,6 +274,21 @@ def commit_seed(seed: bytes, *, run_id: bytes, epoch: int, round_number: int, si
     """
     ctx = context(run_id=run_id, epoch=epoch, counter=round_number, first=site, second=site)
     return hashlib.sha256(TAG_SEED_COMMITMENT + b"\x00" + ctx + seed).digest()
+
+
+def drop_proof(secret: bytes, *, run_id: bytes, epoch: int, site: int, gen: int) -> bytes:
+    """Proof that the server rebuilt ``site``'s mask key of generation ``gen``: HKDF of the key.
+
+    Only a holder of the key computes it: the site itself, and the server once it rebuilt the
+    key from ``t`` mask-key shares, i.e. once it declared the site dropped. Then no honest
+    neighbour also revealed a share of the site's self-mask seed of that round (a site reveals
+    one kind of share per neighbour), so with ``t > k / 2`` that round's upload of the site is
+    never unmasked. fedagg's asynchronous loop sends the proof to a site it asks to carry such
+    an update into a later cohort (:mod:`clients.carry`); one-way, so it reveals nothing of
+    the key to anyone who does not hold it.
+    """
+    ctx = context(run_id=run_id, epoch=epoch, counter=gen, first=site, second=site)
+    return derive_key(secret, TAG_DROP_PROOF, ctx)
 
 
 def _share_context(

@@ -38,6 +38,7 @@ from fedagg.secagg.graph import graph_seed, harary_graph
 from fedagg.secagg.keys import (
     SecretKey,
     commit_seed,
+    drop_proof,
     pairwise_mask_key,
     self_mask_key,
 )
@@ -103,6 +104,7 @@ class ServerState:
         self.epoch = 0
         self.last_round = 0
         self._blamed: set[int] = set()
+        self._drop_proofs: dict[int, bytes] = {}
         self._new_epoch(())
 
     def __repr__(self) -> str:
@@ -143,6 +145,13 @@ class ServerState:
     def usable_sites(self) -> Ids:
         """Sites that may take part in the next round without re-keying."""
         return tuple(sorted(self._ready - self._stale))
+
+    @property
+    def drop_proofs(self) -> dict[int, bytes]:
+        """``site -> drop_proof`` of the dropped sites whose mask keys the last completed round
+        rebuilt (:func:`~fedagg.secagg.keys.drop_proof`): the server's evidence, to the site,
+        that the site's upload of that round was not counted."""
+        return dict(self._drop_proofs)
 
     def needs_rekey(self, sites: Sequence[int]) -> bool:
         """Whether taking ``sites`` into a round needs a new epoch first."""
@@ -251,6 +260,7 @@ class ServerState:
         fewer than ``threshold`` neighbours among the participants (nothing is revealed).
         """
         self._require(ServerStage.READY, "begin_round")
+        self._drop_proofs = {}  # of the last completed round only
         if round_number <= self.last_round:
             raise ProtocolError(
                 explain(
@@ -447,6 +457,7 @@ class ServerState:
                 b_shares.setdefault(owner, []).append(shamir.Share(r + 1, row))
             for owner, row in zip(msg.s_owners, msg.s_shares, strict=True):
                 s_shares.setdefault(owner, []).append(shamir.Share(r + 1, row))
+        self._drop_proofs = {}
         counted = tuple(sorted(self._uploads))
         need_s = [j for j in sorted(self._dropped) if set(self._nbrs[j]) & set(counted)]
         short = [i for i in counted if len(b_shares.get(i, ())) < t]
@@ -477,6 +488,8 @@ class ServerState:
 
                 raw = shamir.reconstruct_verified(s_shares[owner], t, matches)
                 secrets[owner] = SecretKey(raw)
+                self._drop_proofs[owner] = drop_proof(raw, run_id=run_id, epoch=epoch,
+                                                      site=owner, gen=self._used[owner][0])
         except VerificationError:
             # no candidate opened the commitment / matched the public key: the owner shared
             # inconsistent shares, or more holders lied than decoding can get around

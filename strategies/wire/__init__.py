@@ -9,7 +9,9 @@ nothing else converts between Flower records and fedagg's core objects.
 * :mod:`strategies.wire.upload` — the upload pipeline's records: :class:`Instruction`, the
   previous model, the compressed payload, the previous round's vote sum;
 * :mod:`strategies.wire.secagg` — secure-aggregation protocol messages, stages and public
-  parameters, Flower node ids <-> small site indices.
+  parameters, Flower node ids <-> small site indices;
+* :mod:`strategies.wire.carry` — secure FedBuff's record that lets a late cohort member carry
+  its update into a later cohort.
 """
 
 from strategies.wire.arrays import (
@@ -23,6 +25,7 @@ from strategies.wire.arrays import (
     reply_metrics,
     safe_numpy,
 )
+from strategies.wire.carry import CARRY_KEY, CarryRequest
 from strategies.wire.secagg import (
     ARRAYS_KEY,
     CONFIG_KEY,
@@ -55,6 +58,7 @@ from strategies.wire.upload import (
 
 __all__ = [
     "ARRAYS_KEY",
+    "CARRY_KEY",
     "CONFIG_KEY",
     "INSTRUCTION_KEY",
     "PARAMS_KEY",
@@ -66,6 +70,7 @@ __all__ = [
     "STAGES",
     "UPLOAD_WIRE",
     "VOTES_KEY",
+    "CarryRequest",
     "Instruction",
     "SiteIndex",
     "arrays_to_record",

@@ -21,28 +21,39 @@ SECURE = ["strategy.name='secure'", "asynchronous.mode='fedbuff'", "secagg.weigh
 
 
 def _check_against_plaintext(recs: list[dict], got: list[list[np.ndarray]], grid,  # type: ignore[no-untyped-def]
-                             weight: StalenessWeight) -> None:
+                             weight: StalenessWeight, s_hat: int = 0) -> int:
+    """Check every applied buffer; a member that carried its late update (``cohort_carried``:
+    trained in job ``round`` from ``version``, ``older`` versions before the cohort's) counts
+    ``w(s_hat + older) / w(s_hat)`` times its delta. Returns how many updates were carried."""
     part_of = {n: int(grid.contexts[n].node_config["partition-id"]) for n in grid.node_ids}
+    carried = 0
     for r in range(1, len(recs)):
         rec = recs[r]
         assert rec["model_updated"] and rec["version"] == r
         v, rnd = rec["cohort_version"], rec["cohort_round"]
         [(s, count)] = rec["staleness"].items()
         assert int(s) == r - 1 - v and count == rec["secagg_counted"]
-        sent = got[v]
-        num = [np.zeros(a.shape) for a in sent]
+        num = [np.zeros(a.shape) for a in got[v]]
         total = 0.0
         for node in rec["cohort_nodes"]:
             part = part_of[node]
-            trained = train(sent, part, rnd)
-            for j, (a, b) in enumerate(zip(trained, sent, strict=True)):
-                num[j] += examples(part) * (a.astype(np.float64) - b.astype(np.float64))
+            c = rec.get("cohort_carried", {}).get(str(node))
+            base, job, factor = got[v], rnd, 1.0
+            if c is not None:
+                assert c["older"] == v - c["version"] > 0 and c["round"] < rnd
+                base, job = got[c["version"]], c["round"]
+                factor = weight(s_hat + c["older"]) / weight(s_hat)
+                carried += 1
+            trained = train(base, part, job)
+            for j, (a, b) in enumerate(zip(trained, base, strict=True)):
+                num[j] += factor * examples(part) * (a.astype(np.float64) - b.astype(np.float64))
             total += examples(part)
         scale = weight(int(s))
-        for j in range(len(sent)):
+        for j in range(len(num)):
             want = got[r - 1][j].astype(np.float64) + scale * num[j] / total
             err = float(np.abs(got[r][j].astype(np.float64) - want).max())
             assert err <= scale * rec["secagg_error_bound"] + 1e-6, (r, j, err)
+    return carried
 
 
 def test_secure_fedbuff_equals_the_plaintext_buffered_aggregate() -> None:
