@@ -9,7 +9,8 @@ other members (``_CohortRun.close_at``, a time on the loop's clock: ``_expire`` 
 ``_wait`` wakes for it), or at ``run.round_timeout``; closing unmasks the cohort's sum, with the masks of
 its dropped and late sites removed from Shamir shares, and folds it into the buffer as one
 update of its dispatched version (``_close_cohort``). A late upload of a closed cohort is
-refused: under its own self mask it is never unmasked.
+refused: under its own self mask it is never unmasked; its site carries the update into its
+next cohort instead (:mod:`server.async_carry`, ``asynchronous.carry_late``).
 
 Methods of :class:`server.asynchronous._AsyncRun`, defined here and bound in its class body.
 """
