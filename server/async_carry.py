@@ -60,13 +60,14 @@ class CarryBook:
     ready: dict[int, Carry] = field(default_factory=dict)  # the late reply came back
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, concurrency: int) -> CarryBook:
-        """The book of a run (``enabled`` only for secure FedBuff with dense uploads)."""
+    def from_config(cls, cfg: RunConfig, *, concurrency: int, secure: bool,
+                    staleness: StalenessWeight) -> CarryBook:
+        """The book of a run (``enabled`` only for secure FedBuff with dense uploads), with
+        the run's own staleness weight."""
         a, c = cfg.asynchronous, cfg.compression
-        secure = bool(cfg.strategy.secure or cfg.strategy.name.strip() == "secure")
         dense = secure and UploadSpec.parse(c.up, support=c.support, secure=True).dense
         return cls(enabled=bool(a.carry_late and dense and a.mode == "fedbuff"),
-                   staleness=StalenessWeight(a.staleness, a.staleness_a, a.staleness_b),
+                   staleness=staleness,
                    expected=max(math.ceil(concurrency / max(a.buffer_size, 1)) - 1, 0),
                    max_staleness=a.max_staleness)
 

@@ -140,10 +140,11 @@ class _AsyncRun:
                                max_weight_ratio=s.max_weight_ratio))
         self.concurrency = concurrency_of(cfg)
         self.job_timeout = float(cfg.run.round_timeout)
+        self.carry = CarryBook.from_config(cfg, concurrency=self.concurrency, secure=self.secure,
+                                           staleness=self.state.staleness_weight)
         self.run_id = os.urandom(16)
         self.flights: dict[str, _Flight] = {}
         self.cohorts: dict[int, _CohortRun] = {}
-        self.carry = CarryBook.from_config(cfg, self.concurrency)  # late members' updates
         self.records: list[dict[str, Any]] = []
         self.tally = _Tally()
         self.arrivals = 0

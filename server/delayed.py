@@ -34,7 +34,7 @@ from flwr.clientapp import ClientApp
 from fedagg.asyncagg import SpeedModel, VirtualClock, WallClock
 from fedagg.config import RunConfig
 from server.inprocess import InProcessGrid
-from strategies.wire import CARRY_KEY, PARAMS_KEY
+from strategies.wire import CARRY_KEY, PARAMS_KEY, CarryRequest
 
 __all__ = ["DelayedGrid", "site_work", "speed_model"]
 
@@ -76,7 +76,7 @@ def _trains(msg: Message) -> bool:
     if rec is None:
         return True
     carry = msg.content.config_records.get(CARRY_KEY)
-    if carry is not None and carry.get("round", -1) != -1:
+    if carry is not None and CarryRequest.from_record(carry).carries:
         return False  # a held update, masked again (clients.carry): no training
     return rec.get("stage") in (None, "upload")
 
