@@ -185,7 +185,9 @@ class AsynchronousConfig(_Section):
         0.0, ge=0, le=100,
         description="Secure FedBuff: once a cohort's quorum uploaded, wait up to this multiple "
         "of the time the quorum took (from the cohort's dispatch) for its other members "
-        "before it closes; it closes at once when all replied. 0 = close at the quorum.",
+        "before it closes; it closes at once when all replied. 0 = close at the quorum. "
+        "A member carrying a held update (carry_late) is waited for up to max(this, 1) "
+        "times that time.",
     )
     carry_late: bool = Field(
         True,

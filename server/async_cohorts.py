@@ -6,7 +6,8 @@ keyed and sent its masked-upload requests when dispatched (``_send_cohort``), cl
 ``asynchronous.cohort_quorum`` of its sites uploaded or all replied (``_handle_upload``,
 ``_quorum``) and then, with ``asynchronous.cohort_grace`` > 0, after a grace period for its
 other members (``_CohortRun.close_at``, a time on the loop's clock: ``_expire`` closes it,
-``_wait`` wakes for it), or at ``run.round_timeout``; closing unmasks the cohort's sum, with the masks of
+``_wait`` wakes for it; members carrying a held update are waited for up to the cohort's
+own time again), or at ``run.round_timeout``; closing unmasks the cohort's sum, with the masks of
 its dropped and late sites removed from Shamir shares, and folds it into the buffer as one
 update of its dispatched version (``_close_cohort``). A late upload of a closed cohort is
 refused: under its own self mask it is never unmasked; its site carries the update into its
@@ -49,7 +50,12 @@ class _CohortRun:
     nodes: list[int]
     replies: dict[int, Message] = field(default_factory=dict)
     close_at: float | None = None  # quorum reached: close then (the grace period's end)
+    grace_at: float | None = None  # the grace period's end, without waiting for carriers
     carried: dict[int, tuple[Carry, int]] = field(default_factory=dict)  # (carry, older by)
+
+    def carriers_out(self) -> bool:
+        """Whether a member asked to carry a held update has not answered yet."""
+        return any(n not in self.replies for n in self.carried)
 
 
 def _open_cohort(self: _AsyncRun) -> bool:
@@ -124,13 +130,19 @@ def _handle_upload(self: _AsyncRun, job: Job, reply: Message) -> None:
         self._close_cohort(job.cohort)
         return
     uploaded = sum(1 for r in run.replies.values() if not r.has_error())
+    now = self.clock.now()
     if run.close_at is None and uploaded >= self._quorum(len(run.nodes)):
         # the quorum is in: wait a share of the time it took for the slower members (with
         # fixed site speeds the one left out is always the slowest site, and its data with it)
-        now = self.clock.now()
-        started = self.state.cohorts[job.cohort].started_at
-        run.close_at = now + self.cfg.asynchronous.cohort_grace * max(now - started, 0.0)
-    if run.close_at is not None and self.clock.now() >= run.close_at:
+        took = max(now - self.state.cohorts[job.cohort].started_at, 0.0)
+        grace = self.cfg.asynchronous.cohort_grace
+        run.grace_at = now + grace * took
+        # a carried upload is finished work one message away: wait for it up to the cohort's
+        # own time again, or it is lost to this cohort and bounces into the next one
+        run.close_at = now + max(grace, 1.0) * took if run.carriers_out() else run.grace_at
+    if run.close_at is not None and run.grace_at is not None and not run.carriers_out():
+        run.close_at = min(run.close_at, run.grace_at)
+    if run.close_at is not None and now >= run.close_at:
         self._close_cohort(job.cohort)
 
 

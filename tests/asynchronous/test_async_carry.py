@@ -10,6 +10,8 @@ unmasked), and a site carries an update only against that proof, and only once.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from _async_helpers import config, run
@@ -21,18 +23,47 @@ from fedagg.asyncagg import SpeedModel, StalenessWeight
 from fedagg.errors import ProtocolError
 from fedagg.secagg import ClientState, LocalFederation, SecAggParams
 from server.async_carry import Carry, CarryBook
-from strategies.wire import CarryRequest
+from server.delayed import DelayedGrid
+from strategies.wire import CARRY_KEY, CarryRequest
 
 WEIGHT = StalenessWeight("polynomial", 0.5, 4)
 SLOW = (1.0, 1.0, 3.0, 1.0, 1.0, 1.0, 2.5, 1.0, 1.0, 1.0, 1.0, 4.0)
 
 
-def _slow_run(*extra: str):  # type: ignore[no-untyped-def]
+def _slow_run(*extra: str, grid_cls: type[DelayedGrid] = DelayedGrid):  # type: ignore[no-untyped-def]
     """12 sites, C = 8, cohorts of 4 closing at 3: the slow sites are left out often."""
     speed = SpeedModel(seed=4, job_seconds=10.0, sigma=0.3, latency=0.2, factors=SLOW)
     cfg = config(12, "run.rounds=14", *SECURE, "asynchronous.buffer_size=4",
                  "asynchronous.concurrency=8", "asynchronous.cohort_quorum=0.75", *extra)
-    return run(cfg, speed)
+    return run(cfg, speed, grid_cls=grid_cls)
+
+
+def _carries(msg) -> bool:  # type: ignore[no-untyped-def]
+    rec = msg.content.config_records.get(CARRY_KEY) if msg.has_content() else None
+    return rec is not None and CarryRequest.from_record(rec).carries
+
+
+class _SlowCarryGrid(DelayedGrid):
+    """A DelayedGrid whose carried uploads take ``CARRY`` simulated seconds (a loaded engine
+    where the carrier's message waits behind the trainers'), not one latency; it logs the
+    ``(node, server-round)`` of every carry request."""
+
+    CARRY = 14.0
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.carry_requests: list[tuple[int, int]] = []
+
+    def duration(self, msg) -> float:  # type: ignore[no-untyped-def]
+        if _carries(msg):
+            rnd = msg.content.config_records["config"]["server-round"]
+            self.carry_requests.append((msg.metadata.dst_node_id, int(rnd)))
+            return self.CARRY
+        return float(super().duration(msg))
+
+
+class _HungCarryGrid(_SlowCarryGrid):
+    CARRY = 1e5  # never within the cohort's time (nor run.round_timeout)
 
 
 def test_carried_updates_equal_the_plaintext_buffered_aggregate() -> None:
@@ -45,6 +76,35 @@ def test_carried_updates_equal_the_plaintext_buffered_aggregate() -> None:
     # a carried upload trains nothing: fewer training jobs than cohort members dispatched
     members = sum(len(r["cohort_nodes"]) for r in recs[1:])
     assert grid.jobs < members + sum(r["secagg_dropped"] for r in recs[1:])
+
+
+def test_a_cohort_waits_for_its_carried_members() -> None:
+    """Carried uploads slower than the quorum's trainers (14 s vs about 10 s): the cohort
+    waits for them (up to its own time again) instead of closing at the quorum, so every
+    carried update reaches the model, and the sums still equal the plaintext ones."""
+    recs, got, grid = _slow_run(grid_cls=_SlowCarryGrid)
+    assert [r["version"] for r in recs] == list(range(15))
+    carried = _check_against_plaintext(recs, got, grid, WEIGHT, s_hat=8 // 4 - 1)
+    closed = {r["cohort_round"] for r in recs[1:]}  # the run may stop with cohorts open
+    asked = {(n, rnd) for n, rnd in grid.carry_requests if rnd in closed}
+    counted = {(n, r["cohort_round"]) for r in recs[1:] for n in r["cohort_nodes"]
+               if str(n) in r.get("cohort_carried", {})}
+    assert carried >= 3 and asked == counted, (carried, asked ^ counted)
+
+
+def test_a_hung_carrier_delays_its_cohort_by_at_most_the_cohort_time() -> None:
+    """Carriers that never answer (run.round_timeout = 1000 s would not end the wait): each
+    cohort closes at most its quorum's time again after the quorum, without them (counted as
+    dropped), and the run goes on."""
+    recs, got, grid = _slow_run("run.rounds=6", "run.round_timeout=1000",
+                                grid_cls=_HungCarryGrid)
+    assert [r["version"] for r in recs] == list(range(7))
+    assert _check_against_plaintext(recs, got, grid, WEIGHT, s_hat=1) == 0
+    assert grid.carry_requests and not any(r.get("cohort_carried") for r in recs)
+    # a cohort's quorum comes within its third-slowest job (job_seconds = 10, factor <= 4,
+    # lognormal sigma 0.3): two of those per version, far below the 1000 s timeout
+    gaps = [b["time"] - a["time"] for a, b in itertools.pairwise(recs)]
+    assert max(gaps) < 2 * 2 * 4 * 10, gaps
 
 
 def test_without_carry_late_updates_are_wasted() -> None:

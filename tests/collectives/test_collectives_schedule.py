@@ -192,8 +192,8 @@ def test_calibrate_gives_one_model_on_every_rank(n: int, method: str) -> None:
     assert all(m == models[0] for m in models), models
     m = models[0]
     assert m.gamma > 0
-    if n >= 2:
-        assert m.alpha > 0 or m.beta > 0
+    if n >= 2:  # some cost per message (the fits clamp a noisy negative term to 0)
+        assert m.alpha > 0 or m.beta > 0 or (method == "concurrent" and m.beta_node > 0), m
     if method == "pingpong" or n == 1:
         assert m.beta_node == 0.0
 
