@@ -10,7 +10,8 @@ join with partition ids 0..2. Then:
 * a SuperNode that trusts another CA, and a plain TLS client with the system trust store,
   cannot connect;
 * ``flwr run . <connection>`` runs 2 rounds of each strategy in :data:`STRATEGIES` (FedAvg,
-  and secure aggregation of TopK-compressed updates on a public support) and the global
+  secure aggregation of TopK-compressed updates on a public support, secure block voting,
+  and secure FedBuff: 2 model versions of the asynchronous loop) and the global
   model improves on the held-out test split (``metrics.json`` under ``run.output_dir``), with
   exactly the 3 registered sites.
 
@@ -57,7 +58,9 @@ ROGUE = "rogue"  # has a key pair, never registered
 # Results): secure block voting in a 12-bit ring; round 2's support is the one the sites voted
 # for in round 1 (the vote sum travels down in the train message), here with 10 % of the
 # digits model per round (blocks of 16) instead of the benchmark's 2.2 %, so that 2 rounds
-# train (+0.26 on InProcessGrid with this config).
+# train (+0.26 on InProcessGrid with this config). secure-fedbuff is the asynchronous loop
+# (issue 18) over the deployment Grid: each version is one cohort of the 3 sites keyed when it
+# is dispatched, its per-cohort SecAgg+ state in Context.state across fresh ClientApp processes.
 STRATEGIES = [
     pytest.param("fedavg", "", id="fedavg"),
     pytest.param("secure", 'compression.up="topk:0.1+ef" compression.support="random"',
@@ -65,6 +68,8 @@ STRATEGIES = [
     pytest.param("secure", 'compression.up="vote:0.1,vote=0.05,block=16+ef" '
                  "secagg.ring_bits=12 secagg.frac_bits=6 secagg.clip=1 secagg.weight_scale=1000",
                  id="secure-vote"),
+    pytest.param("secure", 'asynchronous.mode="fedbuff" asynchronous.buffer_size=3 '
+                 "asynchronous.concurrency=3 secagg.weight_scale=1000", id="secure-fedbuff"),
 ]
 
 pytestmark = [pytest.mark.flower, pytest.mark.slow, pytest.mark.deploy]
