@@ -33,7 +33,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from pydantic import BaseModel
 
-from strategies.wire import message_nbytes
+from strategies.wire import message_nbytes, messages_nbytes
 
 __all__ = [
     "FedaggStrategy",
@@ -222,7 +222,7 @@ def stream_exchange(grid: Grid, messages: list[Message], timeout: float, *, retr
     log = log if log is not None else ExchangeLog()
     t0 = time.perf_counter()
     deadline = time.monotonic() + timeout
-    log.bytes_down += sum(message_nbytes(m) for m in messages)
+    log.bytes_down += messages_nbytes(messages)
     pending: dict[str, int] = {}  # message id -> node it was sent to
     tries: dict[int, int] = {}
     answered: set[str] = set()
@@ -270,7 +270,7 @@ def stream_exchange(grid: Grid, messages: list[Message], timeout: float, *, retr
                         _log.info("retrying site %d after a transient error (attempt %d)", node,
                                   tries.get(node, 1) + 1)
                         again = rebuild([node])
-                        log.bytes_down += sum(message_nbytes(m) for m in again)
+                        log.bytes_down += messages_nbytes(again)
                         push(again)
                         continue
                     log.replies += 1
