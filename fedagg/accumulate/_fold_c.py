@@ -27,7 +27,9 @@ SOURCE = r"""/* The streaming accumulator's dense float32 fold, one pass per blo
  *
  * No buffers: nothing but x, ref and acc is touched.
  *
- * Build: cc -O3 -fno-math-errno -shared -fPIC (never -ffast-math: the rounding must be IEEE).
+ * Build: cc -O3 -fno-math-errno -ffp-contract=off -shared -fPIC [-DFEDAGG_CLONES]. Never
+ * -ffast-math, and no contraction: x * c + MAGIC fused into one FMA would round once instead
+ * of twice and give other integers than the NumPy path.
  */
 #include <math.h>
 #include <stdint.h>
@@ -36,6 +38,21 @@ SOURCE = r"""/* The streaming accumulator's dense float32 fold, one pass per blo
 #define MAGIC 6755399441055744.0 /* 1.5 * 2**52 */
 #define SMALL 2251799813685248.0 /* 2**51 */
 #define LANES 4
+#define W 8 /* elements per vector step of block_fast: one AVX-512 register of doubles */
+
+/* GCC / Clang vector extensions: the compiler maps them onto the target's registers (two AVX2
+ * or four SSE2 / NEON registers per vector where AVX-512 is missing), so the source is portable.
+ * With FEDAGG_CLONES (x86-64, GCC: the build tries it first) block_fast is compiled for
+ * AVX-512, AVX2 and baseline x86-64 and the loader picks the best at run time (ifunc). */
+typedef double vd __attribute__((vector_size(8 * W)));
+typedef int64_t vl __attribute__((vector_size(8 * W)));
+typedef float vf __attribute__((vector_size(4 * W)));
+
+#if defined(FEDAGG_CLONES)
+#define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define CLONES
+#endif
 
 static inline uint64_t bits(double d) {
     uint64_t u;
@@ -49,47 +66,71 @@ static inline uint64_t qbits(double v, uint64_t mb) {
     return bits(vs + MAGIC) - mb;
 }
 
-/* 0: folded, max |v| < 2**51; 1: folded only the small values (undo, careful pass);
- * 2: a NaN (undo, hand back). */
-static int block_fast(const float *x, const float *r, int norm, uint64_t *lo, int64_t k,
-                      double c, double *m_out, double *ss_out) {
+/* One block, W elements per step without branches (the vector lanes are qbits, the max and
+ * the NaN test of the scalar tail below, lane by lane); `norm` is a constant in each caller,
+ * so every mode gets its own loop. */
+static inline __attribute__((always_inline)) int
+block_body(const float *x, const float *r, const int norm, uint64_t *lo, int64_t k, double c,
+           double *m_out, double *ss_out) {
     const uint64_t mb = bits(MAGIC);
-    double m[LANES] = {0}, ss[LANES] = {0};
-    uint64_t nan[LANES] = {0};
-    int64_t i = 0, kk = k - k % LANES;
-    for (; i < kk; i += LANES) {
-        for (int l = 0; l < LANES; l++) {
-            double v = (double)x[i + l] * c, a = fabs(v);
-            nan[l] |= (uint64_t)(a != a);
-            m[l] = a > m[l] ? a : m[l];
-            lo[i + l] += qbits(v, mb);
-            if (norm) {
-                double d = r ? (double)x[i + l] - (double)r[i + l] : (double)x[i + l];
-                ss[l] += d * d;
-            }
-        }
-    }
-    for (; i < k; i++) {
-        double v = (double)x[i] * c, a = fabs(v);
-        nan[0] |= (uint64_t)(a != a);
-        m[0] = a > m[0] ? a : m[0];
-        lo[i] += qbits(v, mb);
+    const vd zero = {0}, cv = zero + c, magic = zero + MAGIC, small = zero + SMALL;
+    const vl absm = (vl){0} + INT64_MAX, mbv = (vl)magic;
+    vd m = zero, ss = zero;
+    vl nan = {0};
+    int64_t i = 0, kk = k - k % W;
+    for (; i < kk; i += W) {
+        vf xf;
+        vl acc;
+        memcpy(&xf, x + i, sizeof xf);
+        vd xd = __builtin_convertvector(xf, vd);
+        vd v = xd * cv, a = (vd)((vl)v & absm);
+        nan |= (a != a);
+        vl gt = a > m;
+        m = (vd)(((vl)a & gt) | ((vl)m & ~gt));
+        vd vs = (vd)((vl)v & (a < small));
+        memcpy(&acc, lo + i, sizeof acc);
+        acc += (vl)(vs + magic) - mbv;
+        memcpy(lo + i, &acc, sizeof acc);
         if (norm) {
-            double d = r ? (double)x[i] - (double)r[i] : (double)x[i];
-            ss[0] += d * d;
+            vd d = xd;
+            if (norm == 2) {
+                vf rf;
+                memcpy(&rf, r + i, sizeof rf);
+                d = xd - __builtin_convertvector(rf, vd);
+            }
+            ss += d * d;
         }
     }
-    double mm = m[0], s = 0.0;
-    uint64_t nn = 0;
-    for (int l = 0; l < LANES; l++) {
+    double mm = 0.0, s = 0.0;
+    int64_t nn = 0;
+    for (int l = 0; l < W; l++) {
         mm = m[l] > mm ? m[l] : mm;
         nn |= nan[l];
         s += ss[l];
+    }
+    for (; i < k; i++) {
+        double v = (double)x[i] * c, a = fabs(v);
+        nn |= (a != a);
+        mm = a > mm ? a : mm;
+        lo[i] += qbits(v, mb);
+        if (norm) {
+            double d = norm == 2 ? (double)x[i] - (double)r[i] : (double)x[i];
+            s += d * d;
+        }
     }
     *m_out = mm;
     *ss_out = s;
     if (nn) return 2;
     return mm < SMALL ? 0 : 1;
+}
+
+/* 0: folded, max |v| < 2**51; 1: folded only the small values (undo, careful pass);
+ * 2: a NaN (undo, hand back). norm 2 needs r. */
+CLONES static int block_fast(const float *x, const float *r, int norm, uint64_t *lo, int64_t k,
+                             double c, double *m_out, double *ss_out) {
+    if (norm == 2) return block_body(x, r, 2, lo, k, c, m_out, ss_out);
+    if (norm == 1) return block_body(x, r, 1, lo, k, c, m_out, ss_out);
+    return block_body(x, r, 0, lo, k, c, m_out, ss_out);
 }
 
 /* Fold x[start:n] * c into lo block by block; returns the start of the first block it left
@@ -103,6 +144,7 @@ int64_t fedagg_fold_f32(const float *x, int64_t n, int64_t start, int64_t *lo_, 
     int64_t s = start, b = *bound;
     double tot = *sumsq;
     const float *r = norm == 2 ? ref : 0;
+    if (norm == 2 && !r) norm = 1;
     while (s < n) {
         int64_t e = (n - s > block) ? s + block : n, k = e - s;
         double m, ss;

@@ -12,7 +12,8 @@ whatever the number of sites. A round that needs more corrections than were kept
 corrected; the caller refuses it (the global model is unchanged) and says so.
 
 Updates of at least ``spill_bytes`` are written to a private temporary directory, smaller ones
-are copied in memory, so keeping them costs disk rather than memory for big models. The
+are kept in memory (a read-only view on a reply's ``bytes`` as it is, anything else copied), so
+keeping them costs disk rather than memory for big models. The
 directory holds at most ``2 keep`` files ("slots"), written over in place when a kept update
 is displaced (one ``pwrite`` per tensor into pages the kernel already holds — no file created,
 truncated or unlinked per update, and at most ``2 keep`` updates' worth of dirty pages), and
@@ -47,6 +48,20 @@ DEFAULT_SPILL_BYTES = 16 << 20
 def _nbytes(update: Sequence[TensorUpdate]) -> int:
     return sum(int(u.indices.nbytes + np.asarray(u.values).nbytes) if isinstance(u, Sparse)
                else int(np.asarray(u).nbytes) for u in update)
+
+
+def _frozen(a: Any) -> np.ndarray:
+    """``a`` itself when nobody can change its values (a read-only view on a ``bytes`` object,
+    as the arrays of a received reply are), else a copy."""
+    arr = np.asarray(a)
+    base: Any = arr
+    while isinstance(base, np.ndarray):
+        if base.flags.writeable:
+            return np.array(arr)
+        base = base.base
+    if isinstance(base, memoryview):
+        base = base.obj if base.readonly else None
+    return arr if isinstance(base, bytes) else np.array(arr)
 
 
 def _score(value: float) -> float:
@@ -164,8 +179,8 @@ class Retainer:
 
     def _store(self, key: str, update: Sequence[TensorUpdate]) -> None:
         if _nbytes(update) < self.spill_bytes:
-            self._kept[key] = [Sparse(np.array(u.indices), np.array(u.values))
-                               if isinstance(u, Sparse) else np.array(u) for u in update]
+            self._kept[key] = [Sparse(_frozen(u.indices), _frozen(u.values))
+                               if isinstance(u, Sparse) else _frozen(u) for u in update]
             return
         if self._dir is None:
             self._dir = Path(tempfile.mkdtemp(prefix="fedagg-retain-", dir=self._root))
