@@ -21,8 +21,9 @@ objects, the real ClientApp/mod code and ``Context.state``, each message and rep
 and inflated as Flower ships it (that wire time is excluded from both compute figures; the
 bytes are what it measured). Nothing runs in parallel; the figures are compute:
 
-* ``server s``: wall time of the round minus the time spent in ``grid.send_and_receive`` and
-  in fedagg's byte counting (``message_nbytes``, an extra serialisation Flower does not do);
+* ``server s``: wall time of the round minus the time spent inside the grid
+  (``push_messages`` / ``pull_messages`` / ``send_and_receive``: the sites and the wire);
+  fedagg's own bookkeeping (bytes counted on every message) is server time;
 * ``site s``: per site, the sum over its ClientApp calls in the round (median over sites);
 * ``round s``: ``server s + site s`` (sites run in parallel in a real federation);
 * ``exchanges``: server -> sites -> server trips in the round;
@@ -30,7 +31,9 @@ bytes are what it measured). Nothing runs in parallel; the figures are compute:
   the ratio table also divides fedagg secure's by plain FedAvg's real reply (fp32 model plus
   metrics and Flower headers), the fp32 baseline a FedAvg deployment actually uploads.
 
-The load average (``/proc/loadavg``) is printed at the start and the end.
+The load average (``/proc/loadavg``) is printed at the start and the end. Before each measured
+round everything alive is collected and frozen (``benchmarks/_common.py``, ``own_garbage``), so
+no protocol pays for a full garbage collection over another's objects.
 
 Medians over ``--rounds`` steady-state rounds (``--big-rounds`` when N·D >= 5·10^7; fedagg
 secure: after its key-setup round, which is reported separately; Flower's SecAgg+ runs its
@@ -49,6 +52,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+from _common import add_common, loadavg, own_garbage, write_json
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
@@ -164,57 +168,45 @@ class FlowerSecAggPlus:
 
 # -- measurement -----------------------------------------------------------------------------
 class Timed:
-    """Wraps a grid's send_and_receive to split server time from message time.
+    """Wraps a grid's entry points to split server time from message time.
 
-    The fedagg strategies also serialise every message once more to count its bytes
-    (``message_nbytes``); that bookkeeping is timed here and excluded as well, since Flower's
-    workflow does not do it. Several grids can be timed in one run (interleaved rounds): the
-    byte-counting time goes to the one whose round is being measured.
+    ``send_and_receive``, ``push_messages`` and ``pull_messages`` are timed (the outermost
+    call only): an :class:`~server.inprocess.InProcessGrid` runs the ClientApp inside
+    ``push_messages``, so that time is the sites' (measured per site by the grid) and the
+    wire's, never the server's. Everything else a strategy does -- fedagg's byte counting
+    included -- is server time.
     """
-
-    active: Timed | None = None
 
     def __init__(self, grid: InProcessGrid) -> None:
         self.grid = grid
         self.in_grid = 0.0
-        inner = grid.send_and_receive
+        self._depth = 0
+        for name in ("send_and_receive", "push_messages", "pull_messages"):
+            setattr(grid, name, self._timed(getattr(grid, name)))
 
-        def send_and_receive(messages: Any, *, timeout: float | None = None) -> Any:
+    def _timed(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        """``inner`` timed into :attr:`in_grid` (outermost call only: send_and_receive pushes
+        and pulls through the same grid)."""
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self._depth:
+                return inner(*args, **kwargs)
+            self._depth += 1
             t0 = time.perf_counter()
             try:
-                return inner(messages, timeout=timeout)
+                return inner(*args, **kwargs)
             finally:
                 self.in_grid += time.perf_counter() - t0
-
-        grid.send_and_receive = send_and_receive  # type: ignore[method-assign]
-        import strategies.base
-        import strategies.secure
-
-        for module in (strategies.base, strategies.secure):
-            original = getattr(module, "_bench_original_nbytes", module.message_nbytes)
-            module._bench_original_nbytes = original  # type: ignore[attr-defined]
-
-            def counted(message: Message, _f: Any = original) -> int:
-                t0 = time.perf_counter()
-                try:
-                    return int(_f(message))
-                finally:
-                    if Timed.active is not None:
-                        Timed.active.in_grid += time.perf_counter() - t0
-
-            module.message_nbytes = counted  # type: ignore[attr-defined]
+                self._depth -= 1
+        return call
 
     def measure(self, fn: Callable[[], Any], *, wire: bool) -> dict[str, float]:
         g = self.grid
         g.wire = wire
         self.in_grid, g.client_seconds, g.bytes_up = 0.0, [], 0
-        Timed.active = self
-        t0 = time.perf_counter()
-        try:
+        with own_garbage():
+            t0 = time.perf_counter()
             fn()
-        finally:
             wall = time.perf_counter() - t0
-            Timed.active = None
         per_site: dict[int, float] = {}
         kinds: set[str] = set()
         for node, kind, sec in g.client_seconds:
@@ -253,6 +245,7 @@ def bench(n: int, dim: int, rounds: int, *, flower: bool = True,
 
     plain_grid = InProcessGrid(fedagg_app(False), n, seed=n)
     plain_timed = Timed(plain_grid)
+    anchor = FlowerFedAvgRound(n) if flower else None
     plain = FedAvg(min_available_nodes=n)
     conf = client_config(cfg)
     # one secure federation per thread setting (server: secagg.threads; sites: the env var)
@@ -306,6 +299,10 @@ def bench(n: int, dim: int, rounds: int, *, flower: bool = True,
             wire=wire)
         run["exchanges"] = res["r"].exchanges
         out["fedavg"].append(run)
+        got = record_to_arrays(res["r"].arrays)[1][0]
+        assert float(np.abs(got - expect).max()) < 1e-5, "fedagg FedAvg result off"
+        if anchor is not None:
+            out.setdefault("flower_fedavg", []).append(anchor.measure(rnd, arrays, wire, expect))
         for t in threads:
             out[_secure_key(t, threads)].append(secure_round(rnd + 1, wire, t))
         if flower:
@@ -317,6 +314,34 @@ def bench(n: int, dim: int, rounds: int, *, flower: bool = True,
     if not flower:
         del out["flower"]
     return out
+
+
+class FlowerFedAvgRound:
+    """Flower's own FedAvg (Message API) on a grid of its own, one round as
+    ``Strategy.start()`` runs it: ``configure_train`` -> ``send_and_receive`` ->
+    ``aggregate_train``; the anchor of the plain round."""
+
+    def __init__(self, n: int) -> None:
+        from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
+
+        self.grid = InProcessGrid(fedagg_app(False), n, seed=n)
+        self.timed = Timed(self.grid)
+        self.strategy = FlowerFedAvg(fraction_train=1.0, fraction_evaluate=1.0,
+                                     min_train_nodes=n, min_available_nodes=n)
+
+    def measure(self, rnd: int, arrays: ArrayRecord, wire: bool,
+                expect: np.ndarray) -> dict[str, float]:
+        box: dict[str, Any] = {}
+
+        def one() -> None:
+            msgs = self.strategy.configure_train(rnd, arrays, ConfigRecord(), self.grid)
+            replies = self.grid.send_and_receive(msgs, timeout=600.0)
+            box["r"], _ = self.strategy.aggregate_train(rnd, replies)
+
+        run = self.timed.measure(one, wire=wire)
+        got = box["r"].to_numpy_ndarrays()[0]
+        assert float(np.abs(got - expect).max()) < 1e-5, "Flower FedAvg result off"
+        return run
 
 
 def _med(runs: list[dict[str, float]], key: str) -> float:
@@ -333,7 +358,8 @@ def table(results: dict[tuple[int, int], dict[str, Any]]) -> str:
                  for k in res if k.startswith("secure-t")]
         for name, label in (("flower", "Flower SecAgg+"), ("secure", "fedagg secure"), *extra,
                             ("secure_setup", "fedagg secure, key-setup round"),
-                            ("fedavg", "plain FedAvg")):
+                            ("fedavg", "fedagg FedAvg (plain)"),
+                            ("flower_fedavg", "Flower FedAvg (plain)")):
             if name not in res:
                 continue
             runs = res[name] if isinstance(res[name], list) else [res[name]]
@@ -344,18 +370,42 @@ def table(results: dict[tuple[int, int], dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _ratio(res: dict[str, Any], a: str, b: str) -> float:
+    return _med(res[a], "round") / _med(res[b], "round") if a in res and b in res else \
+        float("nan")
+
+
+def summary(results: dict[tuple[int, int], dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per configuration: the medians and the headline ratios (what ``--json`` writes)."""
+    rows = []
+    for (n, dim), res in results.items():
+        row: dict[str, Any] = {"sites": n, "dim": dim, "k": res["k"], "t": res["t"],
+                               "ring_bits": res["ring_bits"], "frac_bits": res["frac_bits"]}
+        for name in ("flower", "secure", "secure_setup", "fedavg", "flower_fedavg"):
+            if name in res:
+                runs = res[name] if isinstance(res[name], list) else [res[name]]
+                row[name] = {k: _med(runs, k) for k in ("round", "server", "site", "up_site")}
+        row["flower_secagg_over_secure"] = _ratio(res, "flower", "secure")
+        row["secure_over_plain"] = _ratio(res, "secure", "fedavg")
+        row["plain_over_flower_fedavg"] = _ratio(res, "fedavg", "flower_fedavg")
+        rows.append(row)
+    return rows
+
+
 def ratios(results: dict[tuple[int, int], dict[str, Any]]) -> str:
     """Speed-up and overhead ratios per configuration."""
     lines = ["| N | D | k, t | ring b, frac f | Flower SecAgg+ / fedagg secure (round s) | "
-             "fedagg secure / plain FedAvg (round s) | fedagg secure up/site (x fp32) | "
-             "fedagg secure up/site (x plain FedAvg reply) |", "|---|---|---|---|---|---|---|---|"]
-    for (n, dim), res in results.items():
-        sec = _med(res["secure"], "round")
-        fl = f"{_med(res['flower'], 'round') / sec:.1f}x" if "flower" in res else "-"
-        lines.append(f"| {n} | {dim:,} | {res['k']}, {res['t']} | "
-                     f"{res['ring_bits']}, {res['frac_bits']} | {fl} | "
-                     f"{sec / _med(res['fedavg'], 'round'):.2f}x | "
-                     f"{_med(res['secure'], 'up_site') / (4 * dim):.4f} | "
+             "fedagg secure / fedagg FedAvg (round s) | fedagg FedAvg / Flower FedAvg "
+             "(round s) | fedagg secure up/site (x fp32) | "
+             "fedagg secure up/site (x plain FedAvg reply) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row, res in zip(summary(results), results.values(), strict=True):
+        fl, plain = row["flower_secagg_over_secure"], row["plain_over_flower_fedavg"]
+        lines.append(f"| {row['sites']} | {row['dim']:,} | {row['k']}, {row['t']} | "
+                     f"{row['ring_bits']}, {row['frac_bits']} | "
+                     f"{f'{fl:.1f}x' if fl == fl else '-'} | {row['secure_over_plain']:.2f}x | "
+                     f"{f'{plain:.2f}x' if plain == plain else '-'} | "
+                     f"{_med(res['secure'], 'up_site') / (4 * row['dim']):.4f} | "
                      f"{_med(res['secure'], 'up_site') / _med(res['fedavg'], 'up_site'):.4f} |")
     paired = [
         f"N={n} D={dim:,} {k}: " + ", ".join(
@@ -365,14 +415,6 @@ def ratios(results: dict[tuple[int, int], dict[str, Any]]) -> str:
     ]
     lines += ["", "per-round ratios to the plain FedAvg round run just before it:", *paired]
     return "\n".join(lines)
-
-
-def _loadavg() -> str:
-    try:
-        with open("/proc/loadavg") as fh:
-            return " ".join(fh.read().split()[:3])
-    except OSError:
-        return "n/a"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -387,13 +429,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, nargs="+", default=[0],
                    help="fedagg secure worker threads (server secagg.threads and sites' "
                         f"{ENV_VAR}); 0 = auto; several values run side by side, interleaved")
+    add_common(p)
     args = p.parse_args(argv)
+    if args.smoke:
+        args.sites, args.dims, args.rounds, args.big_rounds = [4], [2000], 1, 1
     logging.basicConfig(level=logging.WARNING)
     for name in ("flwr", "strategies", "fedagg"):
         logging.getLogger(name).setLevel(logging.ERROR)
     results: dict[tuple[int, int], dict[str, Any]] = {}
     t0 = time.perf_counter()
-    print(f"load average at start: {_loadavg()}; fedagg secure threads {args.threads} "
+    print(f"load average at start: {loadavg()}; fedagg secure threads {args.threads} "
           f"(0 = auto = {auto_threads()})", flush=True)
     for n in args.sites:
         for dim in args.dims:
@@ -407,7 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     print()
     print(ratios(results))
-    print(f"\ntotal {time.perf_counter() - t0:.0f} s; load average at end: {_loadavg()}")
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s; load average at end: {loadavg()}")
+    write_json(args.json, summary(results), argv, threads=args.threads)
     return 0
 
 
