@@ -26,7 +26,10 @@ u8), so a payload has exactly one encoding; the decoder refuses a wider index ty
 (no fedagg encoder ever wrote one: this is the format's own rule, enforced, not a new
 version). The decoder checks every count against the bytes actually present *before*
 allocating, and every index, scale and field before building the payload; anything malformed
-raises :class:`~fedagg.errors.CodecError` (never another exception).
+raises :class:`~fedagg.errors.CodecError` (never another exception), and so does every use
+of a decoded payload (:meth:`Payload.to_dense` included): a shape is refused when the product
+of its non-zero dimensions exceeds ``max_elements``, zero-size shapes such as ``(0, 2**63)``
+included.
 """
 
 from __future__ import annotations
@@ -37,7 +40,14 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from fedagg.compression.payload import FORMAT_VERSION, Payload, TensorPayload, WireDType
+from fedagg.compression.payload import (
+    FORMAT_VERSION,
+    Payload,
+    TensorPayload,
+    WireDType,
+    check_shape,
+    nonzero_extent,
+)
 from fedagg.errors import CodecError, explain
 
 __all__ = [
@@ -190,7 +200,9 @@ def decode(data: bytes, *, max_elements: int = DEFAULT_MAX_ELEMENTS) -> Payload:
     ------
     CodecError
         On any malformed input: bad magic / version / flags / codes, truncated or trailing
-        data, counts inconsistent with the byte length, a shape over ``max_elements``,
+        data, counts inconsistent with the byte length, a shape over ``max_elements`` (the
+        product of its non-zero dimensions, so a zero-size shape such as ``(0, 2**63)`` is
+        refused too),
         duplicate or out-of-range indices, non-finite or negative scales.
     """
     buf = _buffer(data)
@@ -242,6 +254,17 @@ def _decode_tensor(
         raise _err(f + ".shape", ndim, "truncated shape")
     shape = struct.unpack_from(f"<{ndim}Q", buf, pos)
     pos += 8 * ndim
+    extent = nonzero_extent(shape)
+    if extent > max_elements:
+        raise _err(
+            f + ".shape",
+            shape,
+            f"the product of the non-zero dimensions must be <= max_elements={max_elements}, "
+            "zero-size shapes included (a zero-size tensor with a huge dimension is no tensor "
+            "of any model)",
+            "reject, or decode with a larger max_elements for a model this size",
+        )
+    check_shape(shape, f + ".shape")  # also where max_elements is set above NumPy's limit
     numel = 1
     for d in shape:
         numel *= d

@@ -33,7 +33,9 @@ __all__ = [
     "TensorPayload",
     "WireDType",
     "bf16_bits_to_float32",
+    "check_shape",
     "float32_to_bf16_bits",
+    "nonzero_extent",
     "split_flat_support",
 ]
 
@@ -126,6 +128,48 @@ def _bad(field_name: str, value: object, rule: str, fix: str) -> CodecError:
     return CodecError(explain(field_name, value, rule, fix))
 
 
+_MAX_ARRAY_BYTES = int(np.iinfo(np.intp).max)
+
+
+def nonzero_extent(shape: Sequence[int]) -> int:
+    """Product of the non-zero dimensions of ``shape`` (1 for an empty shape).
+
+    NumPy bounds this product, not the element count, when it builds an array of ``shape``:
+    ``(0, 2**63)`` has no element but cannot be an ndarray.
+    """
+    n = 1
+    for d in shape:
+        if int(d):
+            n *= int(d)
+    return n
+
+
+def check_shape(shape: Sequence[int], field_name: str = "shape") -> None:
+    """Refuse a shape whose float32 dense tensor NumPy cannot represent, with CodecError.
+
+    Parameters
+    ----------
+    shape : sequence of int
+        Non-negative dimensions.
+    field_name : str
+        Name for the message.
+
+    Raises
+    ------
+    CodecError
+        If ``4 *`` :func:`nonzero_extent` ``(shape)`` exceeds the largest ndarray (``2**63 - 1``
+        bytes on 64-bit platforms), zero-size shapes included.
+    """
+    if 4 * nonzero_extent(shape) > _MAX_ARRAY_BYTES:
+        raise _bad(
+            field_name,
+            tuple(shape)[:8],
+            f"the product of the non-zero dimensions times 4 bytes must be <= "
+            f"{_MAX_ARRAY_BYTES} (the largest ndarray), zero-size shapes included",
+            "reject this payload: no model tensor has such a shape",
+        )
+
+
 @dataclass(frozen=True, eq=False)
 class TensorPayload:
     """The compressed form of one tensor.
@@ -191,20 +235,36 @@ class TensorPayload:
         return (self.values.astype(np.float32) * rep).astype(np.float32)
 
     def to_dense(self) -> NDArray[np.float32]:
-        """Decode to a float32 array of :attr:`shape` (zeros where nothing was sent)."""
+        """Decode to a float32 array of :attr:`shape` (zeros where nothing was sent).
+
+        Raises
+        ------
+        CodecError
+            If the shape cannot be an ndarray (see :func:`check_shape`), the values do not
+            fill it, or a shared-support tensor has no support attached.
+        """
+        check_shape(self.shape)
         vals = self.float_values()
-        if self.is_dense:
-            return vals.reshape(self.shape).copy()
-        if self.indices is None:
+        try:
+            if self.is_dense:
+                return vals.reshape(self.shape).copy()
+            if self.indices is None:
+                raise _bad(
+                    "indices",
+                    None,
+                    "a shared-support tensor carries no indices on the wire",
+                    "attach the public support first with Payload.with_support(support)",
+                )
+            out = np.zeros(self.numel, dtype=np.float32)
+            out[self.indices] = vals
+            return out.reshape(self.shape)
+        except (ValueError, IndexError) as exc:  # an unvalidated, hand-built payload
             raise _bad(
-                "indices",
-                None,
-                "a shared-support tensor carries no indices on the wire",
-                "attach the public support first with Payload.with_support(support)",
-            )
-        out = np.zeros(self.numel, dtype=np.float32)
-        out[self.indices] = vals
-        return out.reshape(self.shape)
+                "values",
+                f"{self.nnz} values for shape {self.shape[:8]}",
+                f"must fill the shape ({exc})",
+                "call validate() on a payload built by hand",
+            ) from None
 
     def validate(self) -> None:
         """Check every invariant; raise :class:`~fedagg.errors.CodecError` on the first break."""
@@ -212,6 +272,7 @@ class TensorPayload:
             raise _bad("dtype", self.dtype, "must be a WireDType", "use WireDType.FLOAT32 etc.")
         if any((not isinstance(d, int | np.integer)) or int(d) < 0 for d in self.shape):
             raise _bad("shape", self.shape, "dimensions must be non-negative ints", "fix shape")
+        check_shape(self.shape)
         v = self.values
         if not isinstance(v, np.ndarray) or v.ndim != 1 or v.dtype != self.dtype.numpy_dtype:
             raise _bad(

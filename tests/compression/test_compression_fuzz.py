@@ -286,3 +286,110 @@ def test_an_empty_index_list_uses_u8() -> None:
     for code in (2, 3, 4):
         with pytest.raises(CodecError, match="narrowest index type"):
             codec.decode(_widened(t, code))
+
+
+# --- shapes: zero-size and huge dimensions -------------------------------------------------
+
+_DIMS = st.one_of(
+    st.just(0),
+    st.integers(1, 8),
+    st.sampled_from([2**31, 2**32 - 1, 2**32, 2**62, 2**63 - 1, 2**63, 2**64 - 1]),
+    st.integers(0, 2**64 - 1),
+)
+# dimensions whose non-zero product is tiny or beyond any ndarray (>= 2**61 float32 elements),
+# for the cases without a small max_elements: nothing real gets allocated
+_TINY_OR_UNREPRESENTABLE = st.one_of(
+    st.just(0), st.integers(1, 8), st.integers(2**61, 2**64 - 1)
+)
+
+
+def _raw_tensor(shape: tuple[int, ...], *, dtype: int, icode: int, nnz: int) -> bytes:
+    """One tensor message with exactly the values (and u8 deltas 0, 1, 1, ...) it claims."""
+    width = {0: 0, 1: 1}[icode]
+    vsize = {1: 4, 2: 2, 3: 2, 4: 1}[dtype]
+    chunk = 1 if dtype == 4 else 0
+    body = HDR.pack(dtype, icode, len(shape), 0, chunk, nnz) + struct.pack(
+        f"<{len(shape)}Q", *shape
+    )
+    if width:
+        body += bytes([0] + [1] * (nnz - 1)) if nnz else b""
+    body += b"\x00" * (vsize * nnz) + (b"\x00\x00\x80\x3f" * nnz if dtype == 4 else b"")
+    return b"FAGC\x01\x00" + struct.pack("<I", 1) + body
+
+
+def _every_use(p: Payload) -> None:
+    p.validate()
+    for t in p.tensors:
+        _ = t.numel, t.nnz, t.is_dense
+        t.float_values()
+    p.to_dense()
+    codec.encode(p)
+    codec.encoded_size(p)
+    codec.dense_nbytes(p.shapes)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(0, 2**63), (2**63, 0), (0, 2**64 - 1), (0, 2**62), (0, 2**31, 2**31, 2**31), (0,), (0, 0)],
+)
+def test_zero_size_shapes_only_codec_error(shape: tuple[int, ...]) -> None:
+    """A zero-size shape with huge other dimensions (the payload carries no value at all) is
+    refused by the decoder with CodecError, or decodes to a payload whose every use works."""
+    data = _raw_tensor(shape, dtype=1, icode=0, nnz=0)
+    try:
+        p = codec.decode(data)
+    except CodecError as exc:
+        assert "shape" in str(exc)
+        return
+    _every_use(p)
+    assert [a.shape for a in p.to_dense()] == [shape]
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    draw=st.data(),
+    dtype=st.sampled_from([1, 2, 3, 4]),
+    icode=st.sampled_from([0, 1]),
+    nnz=st.integers(0, 4),
+    max_elements=st.sampled_from([1, 64, 2**20, codec.DEFAULT_MAX_ELEMENTS, 2**62, 2**64]),
+)
+def test_hostile_shapes_only_codec_error(
+    draw: st.DataObject, dtype: int, icode: int, nnz: int, max_elements: int
+) -> None:
+    """Any header shape (zero-size, huge, overflowing products) at any ``max_elements``: the
+    decoder and every use of what it returns (validate, to_dense, encode) raise CodecError or
+    nothing -- never ValueError, OverflowError or IndexError."""
+    dims = _DIMS if max_elements <= 2**20 else _TINY_OR_UNREPRESENTABLE
+    shape = draw.draw(st.lists(dims, min_size=0, max_size=5).map(tuple), label="shape")
+    data = _raw_tensor(shape, dtype=dtype, icode=icode, nnz=nnz)
+    try:
+        p = codec.decode(data, max_elements=max_elements)
+        _every_use(p)
+    except CodecError:
+        return
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    shape=st.lists(_TINY_OR_UNREPRESENTABLE, min_size=0, max_size=5).map(tuple),
+    sparse=st.booleans(),
+)
+def test_hand_built_payload_with_hostile_shape_only_codec_error(
+    shape: tuple[int, ...], sparse: bool
+) -> None:
+    """A TensorPayload built in memory (not decoded) with such a shape: validate, to_dense and
+    encode raise CodecError or work."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    n = 0 if sparse or numel > 4 else numel
+    t = TensorPayload(
+        shape,
+        WireDType.FLOAT32,
+        np.zeros(n, np.float32),
+        indices=np.zeros(0, np.int64) if sparse else None,
+    )
+    try:
+        _every_use(Payload((t,)))
+    except CodecError:
+        return
