@@ -428,9 +428,16 @@ def _cmd_viz(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
+    """``fedagg report``: a malformed metrics.json or an unwritable output is exit status 2."""
     from fedagg.viz.run_report import write_report
 
-    out = write_report(args.run_dir, args.out)
+    try:
+        out = write_report(args.run_dir, args.out)
+    except OSError as exc:
+        target = args.out or str(Path(args.run_dir) / "report.html")
+        raise ConfigError(explain("--out", str(target),
+                                  f"cannot be written ({exc.strerror or type(exc).__name__})",
+                                  "pass -o FILE in a writable directory")) from None
     print(f"report: {out}")
     return 0
 

@@ -24,12 +24,20 @@ What the page shows, and where each figure comes from (all from the run director
 The values plotted are embedded as JSON (``#fedagg-data``); the page's script draws them and
 tags every plotted point with its value (``data-value``), so a test can compare both with
 ``metrics.json``.
+
+``metrics.json`` is checked before anything is drawn: a list of JSON objects, each with an
+integer ``round`` >= 0, and every field the report reads of the type fedagg writes (numbers
+finite, NaN or null; counts >= 0; ``sites`` a list of partition ids; ``rejected`` reasons
+strings; ``site_metrics`` one object per site), nested at most 32 levels. Anything else is a
+:class:`~fedagg.errors.ConfigError` naming the file, the record and field, and the rule
+(``fedagg report`` exits with status 2). Keys the report does not read are not checked.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -74,33 +82,194 @@ def count_parameters(run_dir: str | Path) -> int | None:
             with np.load(d / "checkpoint.npz", allow_pickle=False) as npz:
                 meta = json.loads(bytes(npz["meta"]).decode())
                 return int(sum(npz[f"a{i}"].size for i in range(int(meta["num_model_arrays"]))))
-    except (OSError, KeyError, ValueError, zipfile.BadZipFile, json.JSONDecodeError):
+    except (OSError, KeyError, ValueError, TypeError, zipfile.BadZipFile, RecursionError):
         return None
     return None
 
 
+_NUMBER_KEYS = ("accuracy", "loss", "train_loss", "seconds")
+_COUNT_KEYS = ("bytes_up", "bytes_down", "sites_sampled", "sites_replied", "sites_failed")
+_NUMBER_PREFIXES = ("seconds_", "secagg_")
+_SITE_NUMBER_KEYS = frozenset(_SITE_KEYS) | {k.replace("_", "-") for k in _SITE_KEYS}
+_MAX_DEPTH = 32
+"""Deepest nesting a metrics.json may have (fedagg writes 5 levels: list, record, site
+metrics, one site, a value)."""
+_MAX_ROUND = 10**9
+_MAX_SITE = 2**31
+_FIX = "restore metrics.json from the run (or a backup), or re-run; fedagg report reads files " \
+       "written by fedagg simulate / flwr run"
+
+
+class _Refused(Exception):
+    """One malformed field: (where inside the file, value, rule)."""
+
+    def __init__(self, where: str, value: object, rule: str) -> None:
+        super().__init__(where)
+        self.where, self.value, self.rule = where, value, rule
+
+
+def _shown(value: object) -> object:
+    """A value safe to put in a message (no int too long for repr, no deep nesting)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
+        return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+    if isinstance(value, list | dict):
+        return f"a JSON {'array' if isinstance(value, list) else 'object'} of {len(value)} items"
+    return value
+
+
+def _key(key: str) -> str:
+    """A key as it appears in a message: quoted, escaped and shortened."""
+    return repr(key if len(key) <= 40 else key[:37] + "...")
+
+
+def _name(key: str) -> str:
+    """A field name: as is when it is a plain metric name, else quoted (:func:`_key`)."""
+    return key if re.fullmatch(r"[A-Za-z0-9_.-]{1,40}", key) else _key(key)
+
+
+def _depth(obj: Any) -> int:
+    """Nesting depth of a loaded JSON value, without recursion."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        item, d = stack.pop()
+        deepest = max(deepest, d)
+        if deepest > _MAX_DEPTH:
+            return deepest
+        if isinstance(item, dict):
+            stack.extend((v, d + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, d + 1) for v in item)
+    return deepest
+
+
+def _check_number(where: str, value: Any, *, count: bool = False) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _Refused(where, value, "must be a number or null")
+    try:
+        finite = math.isfinite(float(value))
+    except OverflowError:
+        finite = False
+    if not finite and not (isinstance(value, float) and math.isnan(value)):
+        raise _Refused(where, value, "must be a finite number (or NaN / null for a gap)")
+    if count and value < 0:
+        raise _Refused(where, value, "a count must be >= 0")
+
+
+def _check_int(where: str, value: Any, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _Refused(where, value, "must be an integer")
+    if not low <= value < high:
+        raise _Refused(where, value, f"must be >= {low} and < {high}")
+
+
+def _check_record(i: int, rec: Any) -> None:
+    """Every field the report reads, in one record (other keys are not read)."""
+    at = f"record {i}"
+    if not isinstance(rec, dict):
+        raise _Refused(at, rec, "must be a JSON object (one per round)")
+    if _depth(rec) > _MAX_DEPTH - 1:
+        raise _Refused(at, "deeper nesting",
+                       f"must not be nested deeper than {_MAX_DEPTH - 1} levels")
+    if "round" not in rec:
+        raise _Refused(f"{at}.round", None, "is missing (every record names its round)")
+    _check_int(f"{at}.round", rec["round"], 0, _MAX_ROUND)
+    at = f"record {i} (round {rec['round']})"
+    for key, value in rec.items():
+        if key in _NUMBER_KEYS or key.startswith(_NUMBER_PREFIXES):
+            _check_number(f"{at}.{_name(key)}", value)
+        elif key in _COUNT_KEYS:
+            _check_number(f"{at}.{key}", value, count=True)
+    sites = rec.get("sites")
+    if sites is not None:
+        if not isinstance(sites, list):
+            raise _Refused(f"{at}.sites", sites, "must be a list of partition ids (integers)")
+        for j, sid in enumerate(sites):
+            _check_int(f"{at}.sites[{j}]", sid, 0, _MAX_SITE)
+    rejected = rec.get("rejected")
+    if rejected is not None:
+        if not isinstance(rejected, dict):
+            raise _Refused(f"{at}.rejected", rejected,
+                           "must be an object {node id: reason}")
+        for node, why in rejected.items():
+            if not isinstance(why, str):
+                raise _Refused(f"{at}.rejected[{_key(node)}]", why, "a reason must be a string")
+    per_site = rec.get("site_metrics")
+    if per_site is not None:
+        if not isinstance(per_site, dict):
+            raise _Refused(f"{at}.site_metrics", per_site,
+                           "must be an object {partition id: metrics}")
+        for sid, metrics in per_site.items():
+            if not isinstance(metrics, dict):
+                raise _Refused(f"{at}.site_metrics[{_key(sid)}]", metrics,
+                               "must be an object of one site's metrics")
+            for key, value in metrics.items():
+                if key in _SITE_NUMBER_KEYS or key.startswith("algorithm_"):
+                    _check_number(f"{at}.site_metrics[{_key(sid)}].{_name(key)}", value)
+
+
+def _refuse(path: Path, where: str, value: object, rule: str) -> ConfigError:
+    field = f"{path}: {where}" if where else str(path)
+    return ConfigError(explain(field, _shown(value), rule, _FIX))
+
+
 def _load(run_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """metrics.json, checked field by field, and config.json (ignored when unreadable).
+
+    Raises
+    ------
+    ConfigError
+        No metrics.json, or one that is not a list of well-formed records: the message names
+        the file, the record and field, and what was wrong.
+    """
     path = run_dir / "metrics.json"
     try:
-        records = json.loads(path.read_text(encoding="utf-8"))
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise ConfigError(explain("RUN_DIR", str(run_dir), "holds no metrics.json",
                                   "point fedagg report at a run directory written by "
                                   "fedagg simulate or flwr run")) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(explain("metrics.json", str(path),
-                                  f"is unreadable ({type(exc).__name__})",
-                                  "re-run, or restore the file")) from None
-    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
-        raise ConfigError(explain("metrics.json", str(path), "must be a list of per-round records",
-                                  "point fedagg report at a run directory written by fedagg"))
-    config: dict[str, Any] = {}
+    except OSError as exc:
+        raise _refuse(path, "", exc.strerror or type(exc).__name__, "is unreadable") from None
+    if not raw.strip():
+        raise _refuse(path, "", f"{len(raw)} bytes", "is empty (the run wrote no record)")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _refuse(path, f"byte {exc.start}", raw[exc.start:exc.start + 4],
+                      "is not UTF-8 text") from None
+    try:
+        records = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise _refuse(path, f"line {exc.lineno}, column {exc.colno}", text[exc.pos:exc.pos + 20],
+                      f"is unreadable: not valid JSON: {exc.msg} (is the file truncated?)"
+                      ) from None
+    except RecursionError:
+        raise _refuse(path, "", "deeper nesting",
+                      f"is unreadable: nested deeper than {_MAX_DEPTH} levels") from None
+    except ValueError as exc:  # an integer literal beyond Python's digit limit
+        raise _refuse(path, "", "an integer literal",
+                      f"is unreadable: not valid JSON: {exc}"[:160]) from None
+    if not isinstance(records, list):
+        raise _refuse(path, "", records, "must be a list of per-round records "
+                      "(point fedagg report at a run directory written by fedagg)")
+    try:
+        for i, rec in enumerate(records):
+            _check_record(i, rec)
+    except _Refused as bad:
+        raise _refuse(path, bad.where, bad.value, bad.rule) from None
+    return records, _load_config(run_dir)
+
+
+def _load_config(run_dir: Path) -> dict[str, Any]:
     try:
         loaded = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
-        config = loaded if isinstance(loaded, dict) else {}
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        config = {}
-    return records, config
+    except (OSError, UnicodeDecodeError, RecursionError, ValueError):
+        return {}
+    if not isinstance(loaded, dict) or _depth(loaded) > _MAX_DEPTH:
+        return {}
+    return loaded
 
 
 def _series(records: list[dict[str, Any]], key: str) -> list[float | None]:
@@ -150,7 +319,7 @@ def _site_ids(records: list[dict[str, Any]], config: dict[str, Any]) -> list[str
     for r in records:
         ids.update(int(s) for s in r.get("sites", []) or [] if isinstance(s, int | float))
         for k in (r.get("site_metrics") or {}):
-            if str(k).lstrip("-").isdigit():
+            if re.fullmatch(r"-?[0-9]{1,12}", str(k)):
                 ids.add(int(k))
     return [str(i) for i in sorted(ids)]
 
@@ -242,7 +411,8 @@ def report_data(run_dir: str | Path) -> dict[str, Any]:
     Raises
     ------
     ConfigError
-        ``run_dir`` holds no readable ``metrics.json``.
+        ``run_dir`` holds no ``metrics.json``, or one that is unreadable, not JSON, or has a
+        malformed record (the message names the file, the record and field, and the rule).
     """
     d = Path(run_dir)
     records, config = _load(d)
