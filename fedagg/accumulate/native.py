@@ -13,10 +13,17 @@ norm may differ in its last bits (another summation order).
 
 The kernel is compiled on first use with the system's C compiler (``$CC``, else Python's
 ``CC``, else ``cc``; ~0.3 s) into ``$FEDAGG_CACHE_DIR`` (default ``$XDG_CACHE_HOME/fedagg``,
-``~/.cache/fedagg``), checked against the NumPy path on a small update, and loaded with
-:mod:`ctypes` (the GIL is released during a call). Without a compiler, or with
-``FEDAGG_NATIVE=0``, every fold takes the NumPy path (same results, slower); the reason is
-logged once at INFO.
+``~/.cache/fedagg``; where that cannot be created, ``$TMPDIR/fedagg-<uid>``), checked against
+the NumPy path on a small update, and loaded with :mod:`ctypes` (the GIL is released during a
+call). Without a compiler, or with ``FEDAGG_NATIVE=0``, every fold takes the NumPy path (same
+results, slower); the reason is logged once at INFO.
+
+The kernel is built into, and loaded only from, a directory owned by this user that nobody
+else can write (created with mode 0700), from a regular file owned by this user that nobody
+else can write, opened without following links and loaded through its descriptor
+(:mod:`fedagg._owned`). A directory or file another local user could have written — the
+temp fallback pre-created by someone else, a symbolic link, a group-writable file — is not
+loaded: the folds take the NumPy path and one WARNING names the path and the fix.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from fedagg._owned import NotOwned, fd_path, fix, open_file, private_dir
 from fedagg.accumulate._fold_c import SOURCE
 
 __all__ = ["ENV", "PARALLEL_MIN", "THREADS_ENV", "available", "fold_f32", "fold_f32_parallel",
@@ -94,41 +102,91 @@ def _compile(cc: list[str], src: str, out: str) -> None:
                 raise
 
 
+def _kernel_name(cc: list[str]) -> str:
+    """File name of the kernel built from this source with ``cc`` (a hash of both)."""
+    tag = hashlib.sha256(SOURCE.encode() + " ".join(cc + _FLAGS).encode()).hexdigest()[:16]
+    return f"fold-{tag}-{platform.machine()}.so"
+
+
+def _candidates() -> list[Path]:
+    """Where the kernel may live: the cache directory, else a per-user temp directory."""
+    return [_cache_dir(), Path(tempfile.gettempdir()) / f"fedagg-{os.getuid()}"]
+
+
+def _open_kernel(where: Path, name: str, cc: list[str]) -> int:
+    """The kernel's file in ``where``, built there first if missing; a descriptor, checked.
+
+    ``where`` is opened as a directory only this user can write (created 0700); the kernel is
+    compiled into a temporary file inside it and renamed into place, then opened without
+    following links and checked (:mod:`fedagg._owned`).
+
+    Raises
+    ------
+    NotOwned
+        ``where`` or the kernel's file could have been written by another local user.
+    OSError, subprocess.SubprocessError
+        The directory cannot be made, or the build failed.
+    """
+    dfd = private_dir(where)
+    try:
+        fd = open_file(dfd, name, where)
+        if fd is None:
+            src_fd, src = tempfile.mkstemp(dir=where, suffix=".c")
+            with os.fdopen(src_fd, "wb") as f:
+                f.write(SOURCE.encode())  # a Python string: in every copy of the package
+            out_fd, tmp = tempfile.mkstemp(dir=where, suffix=".so")
+            os.close(out_fd)
+            try:
+                _compile(cc, src, tmp)
+                os.chmod(tmp, 0o700)
+                # atomic, relative to the checked directory: concurrent builders race harmlessly
+                os.replace(os.path.basename(tmp), name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            finally:
+                for path in (tmp, src):
+                    if os.path.exists(path):
+                        os.unlink(path)
+            fd = open_file(dfd, name, where)
+            if fd is None:
+                raise OSError(f"{where / name} vanished after it was built")
+        return fd
+    finally:
+        os.close(dfd)
+
+
 def _build() -> tuple[ctypes.CDLL | None, str]:
-    source = SOURCE.encode()  # a Python string: it is in every copy of the package (FABs too)
     cc = _compiler()
-    tag = hashlib.sha256(source + " ".join(cc + _FLAGS).encode()).hexdigest()[:16]
-    name = f"fold-{tag}-{platform.machine()}.so"
+    name = _kernel_name(cc)
     why = "no cache directory"
-    for where in (_cache_dir(), Path(tempfile.gettempdir()) / f"fedagg-{os.getuid()}"):
-        target = where / name
+    for where in _candidates():
         try:
-            if not target.exists():
-                where.mkdir(parents=True, exist_ok=True, mode=0o700)
-                fd, tmp = tempfile.mkstemp(dir=where, suffix=".so")
-                os.close(fd)
-                fd, src = tempfile.mkstemp(dir=where, suffix=".c")
-                with os.fdopen(fd, "wb") as f:
-                    f.write(source)
-                try:
-                    _compile(cc, src, tmp)
-                    os.replace(tmp, target)  # atomic: concurrent builders race harmlessly
-                finally:
-                    for path in (tmp, src):
-                        if os.path.exists(path):
-                            os.unlink(path)
-            lib = ctypes.CDLL(str(target))
+            fd = _open_kernel(where, name, cc)
+        except NotOwned as exc:
+            _log.warning("fedagg: native fold kernel not loaded: %s; folds take the NumPy "
+                         "path (same results, slower). Fix: %s", exc, fix(exc))
+            return None, f"{exc} (not loaded)"
         except (OSError, subprocess.SubprocessError) as exc:
             err = getattr(exc, "stderr", b"") or b""
             why = f"{type(exc).__name__}: {exc} {err.decode(errors='replace')[-300:]}".strip()
             continue
-        fn = lib.fedagg_fold_f32
+        try:  # the very file checked above, not whatever the name points to by now
+            lib = ctypes.CDLL(fd_path(fd) if os.path.isdir("/proc/self/fd")
+                              else str(where / name))
+        except OSError as exc:
+            why = f"{type(exc).__name__}: {exc}"
+            continue
+        finally:
+            os.close(fd)
+        try:
+            fn = lib.fedagg_fold_f32
+            sq = lib.fedagg_sumsq_f32
+            mean = lib.fedagg_mean
+        except AttributeError as exc:
+            why = f"{where / name} is not fedagg's fold kernel ({exc})"
+            continue
         fn.restype = _I
         fn.argtypes = [_P, _I, _I, _P, ctypes.c_double, _P, _I, _I, _P, ctypes.c_int, _P]
-        sq = lib.fedagg_sumsq_f32
         sq.restype = ctypes.c_double
         sq.argtypes = [_P, _P, _I]
-        mean = lib.fedagg_mean
         mean.restype = None
         mean.argtypes = [_P, _P, _I, ctypes.c_double, ctypes.c_double, _P, _P]
         return lib, ""

@@ -16,7 +16,11 @@ calls; the rest of this module builds and loads the extension.
 The extension is compiled on first use with :func:`torch.utils.cpp_extension.load` (about
 a minute on 2 cores; a C++ compiler and ninja are needed) into torch's extension cache
 (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and loaded from there
-afterwards. ``FEDAGG_PLAN_RUNNER`` controls it:
+afterwards. It is loaded only from files and folders no other local user can have written
+(:func:`fedagg._owned.check_path`: the ``.so``, its build folder and fedagg's note of where
+it is are owned by this user and writable by nobody else, and so is every folder above them,
+or that folder is root's or sticky); otherwise the Python replay runs, with the warning below
+naming the path and the fix. ``FEDAGG_PLAN_RUNNER`` controls it:
 
 * ``auto`` (default): use it when it builds; otherwise log one warning and use the Python replay;
 * ``0`` / ``off``: never use it;
@@ -36,6 +40,7 @@ from typing import Any
 
 import torch
 
+from fedagg._owned import NotOwned, check_path, fix, private_dir
 from fedagg.collectives.communicator import Communicator
 from fedagg.collectives.executor import HeaderExchange, Plan, _scratch
 from fedagg.errors import ConfigError, explain
@@ -149,6 +154,11 @@ def _pointer(stamp: str) -> Path:
     return root / "fedagg" / f"plan_runner-{stamp[:32]}.path"
 
 
+def _refused(exc: NotOwned, env: str) -> str:
+    """The reason a build or a load was refused, with the fix (for :func:`load`'s warning)."""
+    return f"not loaded: {exc}. Fix: {fix(exc, env)}"
+
+
 def _import_built(stamp: str) -> Any | None:
     """The module already built for ``stamp``, imported directly, or ``None``.
 
@@ -159,8 +169,9 @@ def _import_built(stamp: str) -> Any | None:
     import importlib.util
 
     try:
-        so = Path(_pointer(stamp).read_text().strip())
-        if (so.parent / "fedagg.stamp").read_text() != stamp or not so.is_file():
+        pointer = check_path(_pointer(stamp))
+        so = check_path(Path(pointer.read_text().strip()))
+        if check_path(so.parent / "fedagg.stamp").read_text() != stamp:
             return None
     except OSError:
         return None
@@ -173,6 +184,16 @@ def _import_built(stamp: str) -> Any | None:
     except ImportError:  # e.g. a library it links against moved: let torch rebuild it
         return None
     return module
+
+
+def _torch_build_dir(cpp_extension: Any) -> str:
+    """torch's build folder for the runner (created by torch if missing)."""
+    try:
+        return str(cpp_extension._get_build_directory(_NAME, False))
+    except Exception:  # a private torch helper: the documented root instead
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+        os.makedirs(root, exist_ok=True)
+        return str(root)
 
 
 def _stable_source(cpp_extension: Any) -> str:
@@ -197,10 +218,20 @@ def _stable_source(cpp_extension: Any) -> str:
 def _build() -> tuple[Any | None, str]:
     try:
         stamp = _stamp()
-        module = _import_built(stamp)
+        try:
+            module = _import_built(stamp)
+        except NotOwned as exc:  # the remembered path: torch's own cache is checked next
+            _log.warning("fedagg plan runner: remembered build %s", _refused(exc, "XDG_CACHE_HOME"))
+            module = None
         if module is None:
             from torch.utils import cpp_extension
 
+            try:  # torch builds with ninja in this folder and loads the .so from it
+                build_dir = check_path(_torch_build_dir(cpp_extension), directory=True)
+                if (build_dir / f"{_NAME}.so").exists():
+                    check_path(build_dir / f"{_NAME}.so")
+            except NotOwned as exc:
+                return None, _refused(exc, "TORCH_EXTENSIONS_DIR")
             module = cpp_extension.load(
                 name=_NAME,
                 sources=[_stable_source(cpp_extension)],
@@ -211,8 +242,12 @@ def _build() -> tuple[Any | None, str]:
             if so.is_file():
                 (so.parent / "fedagg.stamp").write_text(stamp)
                 pointer = _pointer(stamp)
-                pointer.parent.mkdir(parents=True, exist_ok=True)
-                pointer.write_text(str(so))
+                try:
+                    os.close(private_dir(pointer.parent))  # created 0700, or checked
+                    pointer.write_text(str(so))
+                except NotOwned as exc:  # not remembered: the next process asks torch again
+                    _log.warning("fedagg plan runner: build not remembered: %s. Fix: %s",
+                                 exc, fix(exc, "XDG_CACHE_HOME"))
     except Exception as exc:  # compiler missing, build error, ABI mismatch: fall back
         first = str(exc).strip().splitlines()
         return None, f"{type(exc).__name__}: {first[0][:200] if first else ''}"
