@@ -25,7 +25,10 @@ Usage (the command recorded in docs/benchmarks.md)::
     python benchmarks/async.py --sites 24 --out docs/results/async
 
 Writes ``async.json`` (every variant's (time, accuracy) curve), ``async.png`` (accuracy vs
-simulated time) and prints the markdown table.
+simulated time) and prints the markdown table. ``--smoke``: every variant at a tiny size (6
+sites, 600 training examples, 60 simulated seconds, targets 0.12 and 0.2); ``--json PATH``: the
+table's rows (with each variant's curve), the command, date, machine and commit
+(``benchmarks/_common.py``).
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _common import add_common, write_json
 
 
 def _base(args: argparse.Namespace) -> list[str]:
@@ -174,7 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override for every variant (repeatable), e.g. "
                    "--set asynchronous.staleness='constant'")
+    add_common(p)
     args = p.parse_args(argv)
+    if args.smoke:
+        args.sites, args.concurrency, args.buffer, args.budget = 6, 3, 2, 60.0
+        args.targets = "0.12,0.2"  # reached in 60 s, so the ratio cells are computed too
+        args.set = ["data.max_train_examples=600", *args.set]
 
     import logging
 
@@ -197,13 +207,20 @@ def main(argv: list[str] | None = None) -> int:
     head = " | ".join(f"to {t:.2f} (sim s, x sync)" for t in targets)
     lines = [f"| variant | {head} | final accuracy (last 10% of the budget) | site jobs | "
              "mean staleness | CPU s |", "|---" * (5 + len(targets)) + "|"]
+    rows = []
     for r in results:
         cells = []
+        reached: dict[str, float | None] = {}
         for t in targets:
             mine = time_to(r["curve"], t, args.window)
             ref = time_to(by["sync"]["curve"], t, args.window) if "sync" in by else None
+            reached[f"{t:.2f}"] = mine
             cells.append("not reached" if mine is None else
-                         f"{mine:.0f}" + (f" ({ref / mine:.2f}x)" if ref else ""))
+                         f"{mine:.0f}" + (f" ({ref / mine:.2f}x)" if ref and mine else ""))
+        rows.append({"variant": r["name"], "time_to": reached,
+                     "final_accuracy": final(r["curve"], args.budget), "jobs": r["jobs"],
+                     "staleness_mean": r["staleness_mean"], "cpu_seconds": r["cpu_seconds"],
+                     "real_seconds": r["real_seconds"], "curve": r["curve"]})
         lines.append(f"| {r['name']} | {' | '.join(cells)} | {final(r['curve'], args.budget):.4f} "
                      f"| {r['jobs']} | {r['staleness_mean']:.2f} | {r['cpu_seconds']:.0f} |")
     if "secure-fedbuff" in by and "fedbuff" in by:
@@ -211,14 +228,15 @@ def main(argv: list[str] | None = None) -> int:
         for t in targets:
             a = time_to(by["secure-fedbuff"]["curve"], t, args.window)
             b = time_to(by["fedbuff"]["curve"], t, args.window)
-            ratios.append(f"{t:.2f}: " + ("-" if a is None or b is None else f"{a / b:.2f}x"))
+            ratios.append(f"{t:.2f}: " + ("-" if a is None or not b else f"{a / b:.2f}x"))
         lines += ["", "secure FedBuff / FedBuff, time to target: " + ", ".join(ratios)]
     print("\n".join(lines))
+    write_json(args.json, rows, argv, budget=args.budget, window=args.window)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "async.json").write_text(json.dumps({"args": vars(args), "results": results},
-                                                   indent=1))
+                                                   indent=1, default=str))
         import matplotlib
 
         matplotlib.use("Agg")

@@ -26,6 +26,10 @@ Usage::
     python benchmarks/compression.py --rounds 150 --model 2nn --max-train 8000 \
         --variants dense --json dense.json       # ... one process per variant group
     python benchmarks/compression.py --merge dense.json topk1-ef.json ...
+    python benchmarks/compression.py --smoke      # every variant, 4 sites, 2 rounds (CI)
+
+``--json`` writes every variant's per-round figures (after every round) with the command, date,
+machine and commit (``benchmarks/_common.py``). The exit status is 1 when a variant failed.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import logging
 import os
 import statistics
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterable
@@ -47,6 +52,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import _common  # noqa: E402
 import numpy as np  # noqa: E402
 
 
@@ -323,7 +329,7 @@ def run(args: argparse.Namespace) -> tuple[list[Track], dict[str, Any]]:
         print(f"round {rnd}/{args.rounds} done, {time.perf_counter() - t_start:.0f} s: "
               + ", ".join(f"{t.variant.key}={t.acc[-1]:.3f}" for t in live if t.acc), flush=True)
         if args.json:  # after every round, so an interrupted run keeps what it measured
-            write_json(Path(args.json), tracks, meta_of(rnd))
+            write_json(args.json, tracks, meta_of(rnd))
     return tracks, meta_of(args.rounds)
 
 
@@ -409,14 +415,13 @@ def targets(tracks: list[Track]) -> list[str]:
 
 
 def write_json(path: Path, tracks: list[Track], meta: dict[str, Any]) -> None:
-    """The raw per-round results (``--json``; read back by ``--merge``)."""
+    """The raw per-round results (``--json``; read back by ``--merge``), written atomically."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({
-        "meta": meta, "variants": [{"key": t.variant.key, "label": t.variant.label,
-                                    "status": t.status, "accuracy": t.acc,
-                                    "up_per_site": t.up_per_site,
-                                    "down_per_site": t.down_per_site, "seconds": t.seconds,
-                                    "rejected": t.rejected} for t in tracks]}, indent=1))
+    _common.write_json(tmp, [{"key": t.variant.key, "label": t.variant.label,
+                              "status": t.status, "accuracy": t.acc,
+                              "up_per_site": t.up_per_site,
+                              "down_per_site": t.down_per_site, "seconds": t.seconds,
+                              "rejected": t.rejected} for t in tracks], meta=meta)
     tmp.replace(path)
 
 
@@ -434,7 +439,7 @@ def load_results(paths: list[str]) -> tuple[list[Track], dict[str, Any]]:
         data = json.loads(Path(path).read_text())
         metas.append(data["meta"])
         done = data["meta"].get("rounds_done", data["meta"]["args"]["rounds"])
-        for row in data["variants"]:
+        for row in data.get("results", data.get("variants", [])):  # "variants": older files
             v = known[row["key"]]
             if done < data["meta"]["args"]["rounds"]:  # an interrupted run: say so in the row
                 v = Variant(v.key, f"{v.label} (stopped after {done} rounds)", v.overrides,
@@ -501,12 +506,20 @@ def main() -> int:
                    help="extra config override applied to EVERY variant (repeatable), e.g. "
                    "strategy.server_optimizer=momentum")
     p.add_argument("--variants", default="", help="comma-separated keys (default: all)")
-    p.add_argument("--plot", default=str(ROOT / "docs/img/compression_accuracy_vs_bytes.png"))
-    p.add_argument("--json", default="", help="also write the raw per-round results here")
+    p.add_argument("--plot", default=None,
+                   help="where the plot goes (default docs/img/compression_accuracy_vs_bytes.png; "
+                   "with --smoke a temporary file); '' for none")
     p.add_argument("--merge", nargs="+", default=[], metavar="JSON",
                    help="do not train: print the table / targets / plot of these --json files "
                    "(e.g. the same setup split over two processes)")
+    _common.add_common(p)
     a = p.parse_args()
+    if a.smoke:  # every variant, tiny: 4 sites, 2 rounds (round 2 uses round 1's state)
+        a.sites, a.rounds, a.max_train = 4, 2, 800
+    smoke_dir = tempfile.TemporaryDirectory(prefix="fedagg-compression-") if a.smoke else None
+    if a.plot is None:
+        a.plot = (str(Path(smoke_dir.name) / "plot.png") if smoke_dir is not None
+                  else str(ROOT / "docs/img/compression_accuracy_vs_bytes.png"))
     os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
     logging.getLogger("flwr").setLevel(logging.ERROR)
     logging.getLogger("strategies").setLevel(logging.ERROR)
@@ -514,7 +527,7 @@ def main() -> int:
         tracks, meta = load_results(a.merge)
         for k in ("sites", "rounds", "alpha", "model", "local_epochs", "seed"):
             setattr(a, k, meta["args"][k])
-        a.json = ""
+        a.json = None
     else:
         tracks, meta = run(a)
     title = (f"Fashion-MNIST {a.model}, {a.sites} sites, Dirichlet {a.alpha}, {a.rounds} rounds, "
@@ -534,7 +547,13 @@ def main() -> int:
             print(f"- {t.variant.label}: first rejected update: {t.first_rejection}")
     if a.plot:
         plot(tracks, Path(a.plot), title)
-        print(f"\nplot: {a.plot}")
+        print(f"\nplot: {a.plot}" + (" (temporary)" if smoke_dir is not None else ""))
+    if smoke_dir is not None:
+        smoke_dir.cleanup()
+    failed = [t.variant.key for t in tracks if t.status != "ok"]
+    if failed and not a.merge:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 

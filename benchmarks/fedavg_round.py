@@ -9,6 +9,10 @@ alone on synthetic replies (10 sites, 1M float32 parameters), the server-side co
 Usage::
 
     python benchmarks/fedavg_round.py --sites 5 --rounds 12
+    python benchmarks/fedavg_round.py --smoke    # 3 x 10k aggregate, 2 sites x 1 round (CI)
+
+``--json PATH`` writes both tables' rows with the command, date, machine and commit
+(``benchmarks/_common.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import numpy as np
+from _common import add_common, write_json
 
 
 def _round(strategy, grid, rnd, arrays, config):  # type: ignore[no-untyped-def]
@@ -102,19 +107,29 @@ def aggregate_only(sites: int = 10, params: int = 1_000_000, repeats: int = 7) -
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sites", type=int, default=5)
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--skip-simulation", action="store_true")
-    a = p.parse_args()
+    add_common(p)
+    a = p.parse_args(argv)
+    agg_sites, agg_params, agg_repeats = 10, 1_000_000, 7
+    if a.smoke:
+        a.sites, a.rounds = 2, 1
+        agg_sites, agg_params, agg_repeats = 3, 10_000, 2
     os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
-    agg = aggregate_only()
-    print("| server aggregate_train, 10 sites x 1M params | median s | ratio fedagg/Flower |")
+    rows: list[dict[str, object]] = []
+    agg = aggregate_only(agg_sites, agg_params, agg_repeats)
+    print(f"| server aggregate_train, {agg_sites} sites x {agg_params:,} params | median s | "
+          "ratio fedagg/Flower |")
     print("|---|---|---|")
     mf, mw = statistics.median(agg["flower"]), statistics.median(agg["fedagg"])
     print(f"| Flower FedAvg | {mf:.3f} | |")
     print(f"| fedagg FedAvg (checks + float64) | {mw:.3f} | {mw / mf:.2f}x |")
+    rows.append({"table": "aggregate_train", "sites": agg_sites, "params": agg_params,
+                 "flower_s": mf, "fedagg_s": mw, "fedagg_over_flower": mw / mf,
+                 "times": agg})
     if not a.skip_simulation:
         t = simulate(a.sites, a.rounds)
         mf, mw = statistics.median(t["flower"]), statistics.median(t["fedagg"])
@@ -123,6 +138,9 @@ def main() -> int:
         print("|---|---|---|")
         print(f"| Flower FedAvg | {mf:.3f} | |")
         print(f"| fedagg FedAvg | {mw:.3f} | {mw / mf:.2f}x |")
+        rows.append({"table": "simulation round", "sites": a.sites, "rounds": a.rounds,
+                     "flower_s": mf, "fedagg_s": mw, "fedagg_over_flower": mw / mf, "times": t})
+    write_json(a.json, rows, argv)
     return 0
 
 

@@ -31,6 +31,11 @@ Usage::
 
     python benchmarks/server_memory.py                      # 10M and 100M, N = 4, 16, 64
     python benchmarks/server_memory.py --params 1e7 --sites 4 16 --methods flower streaming
+    python benchmarks/server_memory.py --smoke   # every method, 100k params, N = 3 (CI)
+
+``--json PATH`` writes the table's rows (medians) and every run with the command, date,
+machine and commit (``benchmarks/_common.py``). The exit status is 1 when a case failed (a
+case skipped for ``--budget-gib`` is not a failure).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+from _common import add_common, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -286,7 +292,7 @@ def table(results: list[dict[str, object]]) -> str:
     return "\n".join(rows)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--params", type=float, nargs="+", default=[1e7, 1e8])
     p.add_argument("--sites", type=int, nargs="+", default=[4, 16, 64])
@@ -297,12 +303,15 @@ def main() -> None:
                    help="skip cases projected above this peak (the machine is shared)")
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of every case, interleaved; the table shows medians")
-    p.add_argument("--json", type=Path, help="also write the results (every run) here")
     p.add_argument("--case", nargs=3, metavar=("PARAMS", "N", "METHOD"), help=argparse.SUPPRESS)
-    a = p.parse_args()
+    add_common(p)
+    a = p.parse_args(argv)
     if a.case:
         print(json.dumps(run_case(int(float(a.case[0])), int(a.case[1]), a.case[2])))
-        return
+        return 0
+    if a.smoke:
+        a.params, a.sites, a.repeats = [1e5], [3], 1
+    failed: list[str] = []
     cases = [(int(x), n, m) for x in a.params for n in a.sites for m in a.methods]
     runs: dict[tuple[int, int, str], list[dict[str, object]]] = {c: [] for c in cases}
     for rep in range(a.repeats):  # interleaved: every case once per repeat
@@ -323,6 +332,7 @@ def main() -> None:
                     "params": params, "sites": n, "method": method,
                     "skipped": f"failed (exit {proc.returncode}): "
                                f"{proc.stderr.strip().splitlines()[-1:]}"}
+                failed.append(f"{params} {n} {method}")
             else:
                 out = json.loads(line[-1])
             out["repeat"] = rep
@@ -330,10 +340,12 @@ def main() -> None:
             print(json.dumps(out), flush=True)
     results = [median_of(runs[c]) for c in cases]
     print(table(results))
-    if a.json:
-        a.json.write_text(json.dumps({"medians": results, "runs": [r for c in cases
-                                                                   for r in runs[c]]}, indent=2))
+    write_json(a.json, results, argv, runs=[r for c in cases for r in runs[c]])
+    if failed:
+        print(f"failed cases: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -35,8 +35,10 @@ Usage::
 
     python benchmarks/site.py --workers 1,2 --repeats 3 --fresh --markdown        # 2 cores
     python benchmarks/site.py --workers 1,2,4,8 --repeats 5 --fresh --markdown    # >= 8 cores
-    python benchmarks/site.py --workers 1,2 --examples 256 --repeats 1 --model mlp \\
-        --dataset digits --batch-size 32                                            # smoke
+    python benchmarks/site.py --smoke    # every variant, K = 1, 2, digits MLP, --fresh (CI)
+
+``--json PATH`` writes the table's rows with the command, date, machine and commit
+(``benchmarks/_common.py``).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from _common import add_common, write_json
 
 from clients.pool import close_pools
 from clients.site import run_site
@@ -152,7 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--markdown", action="store_true")
+    add_common(p)
     a = p.parse_args(argv)
+    if a.smoke:  # every variant and fresh workers, tiny: 256 digits, an MLP, 2 rounds per cell
+        a.workers, a.variants, a.examples, a.repeats = "1,2", ",".join(VARIANTS), 256, 2
+        a.model, a.dataset, a.batch_size, a.fresh, a.markdown = "mlp", "digits", 32, True, True
 
     ks = [int(k) for k in a.workers.split(",")]
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
@@ -275,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for r in [head, *rows]:
             print("  ".join(f"{c:>10}" for c in r))
+    write_json(a.json, [dict(zip(head, r, strict=True)) for r in rows], argv,
+               fresh_overhead_seconds=fresh, params=n_params)
     return 0
 
 

@@ -28,7 +28,10 @@ Usage (one torch thread per worker; the recorded figures need a quiet machine)::
 
     python benchmarks/site_ddp.py --workers 1,2 --repeats 5 --markdown
     python benchmarks/site_ddp.py --workers 1,2,4,8 --repeats 5 --markdown   # >= 8 cores
-    python benchmarks/site_ddp.py --workers 2 --steps 2 --warmup 2 --repeats 1 --examples 256  # smoke
+    python benchmarks/site_ddp.py --smoke   # K = 1, 2, every algorithm, 2 steps, digits (CI)
+
+``--json PATH`` writes the table's rows with the command, date, machine and commit
+(``benchmarks/_common.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from _common import add_common, write_json
 from torch import nn
 
 from clients.buckets import GradReducer
@@ -178,7 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per K")
     p.add_argument("--markdown", action="store_true")
+    add_common(p)
     a = p.parse_args(argv)
+    if a.smoke:  # every GradReducer algorithm and one no-overlap next to DDP, tiny sizes
+        a.workers, a.dataset, a.examples, a.batch_size = "1,2", "digits", 256, 32
+        a.variants = "ddp,ring,ring:no-overlap,tree,hierarchical,native,auto"
+        a.steps, a.warmup, a.repeats, a.markdown = 2, 2, 1, True
 
     variants = tuple(v.strip() for v in a.variants.split(",") if v.strip())
     for v in variants:
@@ -244,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for r in [head, *rows]:
             print("  ".join(f"{c:>12}" for c in r))
+    write_json(a.json, [dict(zip(head, r, strict=True)) for r in rows], argv, params=n_params,
+               samples={str(k): v for k, v in results.items()})
     return 0
 
 

@@ -196,15 +196,17 @@ def _dgc_on_aggregate(parsed: ParsedSpec) -> bool:
 
 
 def _first_round_spec(parsed: ParsedSpec) -> ParsedSpec:
-    """``shared-dgc:…,support=aggtopk`` without a previous aggregate: the seeded random
-    support of the same amount (as ``aggtopk`` falls back to ``shared``)."""
+    """The spec without a previous aggregate: ``aggtopk:<amount>[,random=…]`` is the seeded
+    random support of the same amount (``shared:<amount>``), ``shared-dgc:…,support=aggtopk``
+    its default random support (``support`` and ``random`` only apply to an aggregate)."""
+    dgc = _dgc_on_aggregate(parsed)
     parts = []
     for part, name, _, _ in parsed.parts:
-        if name == "shared-dgc":
+        if name == "aggtopk" or (name == "shared-dgc" and dgc):
             stage, _, rest = part.partition(":")
             keep = [a for a in rest.split(",")
                     if a.partition("=")[0].strip().lower() not in ("support", "random")]
-            part = f"{stage}:{','.join(keep)}"
+            part = f"{'shared' if name == 'aggtopk' else stage}:{','.join(keep)}"
         parts.append(part)
     return parse_spec("+".join(parts))
 
@@ -305,11 +307,10 @@ class UploadSpec:
         amount.
         """
         parsed = self._parsed if self._parsed is not None else parse_spec(self.up)
-        rename = {"aggtopk": "shared"} if previous_aggregate is None else None
         if previous_aggregate is None and self._first is not None:
             parsed = self._first
         return parsed.build(seed=public_seed(run_seed), round=int(server_round),
-                            previous_aggregate=previous_aggregate, rename=rename)
+                            previous_aggregate=previous_aggregate)
 
 
 @functools.lru_cache(maxsize=64)
@@ -331,7 +332,8 @@ def _parse(up: str, support: str, down: str, secure: bool) -> UploadSpec:
             "compression.down", down,
             "secure aggregation masks the delta against the model as sent; a lossy downward "
             "codec is not supported there yet", "set compression.down = 'none'"))
-    first = _first_round_spec(parsed) if _dgc_on_aggregate(parsed) else None
+    first = (_first_round_spec(parsed) if "aggtopk" in names or _dgc_on_aggregate(parsed)
+             else None)
     out = UploadSpec(up=spec, requested=up, support=support, down=down, secure=secure,
                      stages=names, _parsed=parsed, _first=first)
     # validate the arguments now: a bad spec fails at start-up, not in round 1 at every site

@@ -353,3 +353,21 @@ def test_history_refuses_bad_vote_sums(table: np.ndarray, cast: int, words: str)
     spec = UploadSpec.parse("vote:10,rows=2,cols=3+ef", secure=True)
     with pytest.raises(ProtocolError, match=words):
         SupportHistory.at_site(spec, 0, 2, [np.zeros(DIM, np.float32)], votes=(cast, table))
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_aggtopk_with_a_random_share_starts_as_the_seeded_random_support(secure: bool) -> None:
+    # round 1 has no aggregate: aggtopk:<amount>,random=<f> is shared:<amount> (random= and
+    # all), and the spec is accepted at start-up (it was refused: 'unknown option random')
+    spec = UploadSpec.parse("aggtopk:0.05,random=0.2+ef", secure=secure)
+    assert spec.needs_previous
+    rng = np.random.default_rng(0)
+    g0, g1 = _glob(rng), _glob(rng)
+    first = SupportHistory.at_site(spec, 3, 1, g0).support()
+    rand = SupportHistory.at_site(UploadSpec.parse("shared:0.05+ef", secure=secure), 3, 1, g0)
+    assert first is not None and np.array_equal(first, rand.support())
+    later = SupportHistory.at_site(spec, 3, 2, g1, 1, g0).support()
+    agg = np.abs(np.concatenate([(b - a).ravel() for a, b in zip(g0, g1, strict=True)]))
+    assert later is not None
+    top = np.argsort(-agg, kind="stable")[:later.size - round(0.2 * later.size)]
+    assert set(top.tolist()) <= set(later.tolist())
