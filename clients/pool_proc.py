@@ -7,8 +7,10 @@ logs and the control socket's address (on Linux an abstract unix socket, which h
 and no path-length limit; elsewhere a 0600 socket file in the directory). Each worker
 connects back and authenticates with the key (HMAC challenge of
 ``multiprocessing.connection``; nothing is unpickled before it), gets the pickled task once,
-and joins a torch.distributed group through a TCPStore this process hosts at a port the OS
-picks (one store per group generation). A round sends every worker the same pickled
+and joins a torch.distributed group through a file store in that directory (one file per
+group generation; torch's ``FileStore``): other local users cannot enter the directory, so they
+can neither read nor write the rendezvous, and there is no store socket to connect to. gloo's
+own sockets are bound to the loopback interface. A round sends every worker the same pickled
 :class:`~clients.worker.WorkerJob` *without* the task -- the global weights and the round's
 settings -- and reads back progress, then one result each (weights from worker 0 only).
 
@@ -162,7 +164,7 @@ class ProcessPool(WorkerPool):
         self._task_blob = task_blob
         self._sys_path = sys_path or worker_path()
         self._next_id = 0
-        self._store: Any = None
+        self._store: str | None = None  # the current generation's file store
         self._dir: Path | None = None
         self._listener: Listener | None = None
         self._accepted: queue.Queue[Connection] = queue.Queue()
@@ -333,17 +335,18 @@ class ProcessPool(WorkerPool):
         return None
 
     def _regroup(self, ranks: list[int], optimizer: dict[str, Any] | None) -> None:
-        from fedagg.collectives.backends.torch_dist import host_store
-
         self.members = [self.members[r] for r in ranks]
         timeout = self.site.worker_timeout * 1.5 + 5.0
-        store, port = host_store(timeout)
         self.generation += 1
+        store = str(self._open() / f"store-{self.generation}")  # in the 0700 directory
         for rank, m in enumerate(self.members):
-            m.send(_msg("group", self.generation, rank, len(self.members), port, timeout,
+            m.send(_msg("group", self.generation, rank, len(self.members), store, timeout,
                         self.layout, optimizer))
         self._expect(self.members, "grouped")
-        self._store = store  # the old generation's store goes now
+        old, self._store = self._store, store
+        if old is not None:  # every worker left that generation's group
+            with contextlib.suppress(OSError):
+                os.unlink(old)
         self._dirty = False
 
     def _drop(self, ranks: list[int]) -> None:

@@ -6,10 +6,12 @@ command at a time from its controller over an authenticated local socket
 directory):
 
 ``("setup", task, threads, device)``   unpickle the user's :class:`~fedagg.task.Task` (once)
-``("group", gen, rank, world, port, timeout, layout, optimizer)``
+``("group", gen, rank, world, store, timeout, layout, optimizer)``
                                        leave the current process group, join the new one
-                                       (torch.distributed, gloo on CPU / NCCL on GPU) with
-                                       the site's agreed reducer layout (and optimizer state)
+                                       (torch.distributed, gloo on CPU / NCCL on GPU) through
+                                       the file store ``store`` in the pool's private
+                                       directory, with the site's agreed reducer layout (and
+                                       optimizer state)
 ``("train", job)``                     train one round (:func:`clients.worker.train_worker`
                                        with this worker's :class:`WorkerState`); reply
                                        ``("result", WorkerResult)`` or ``("error", text, kind)``
@@ -129,13 +131,14 @@ def _release(state: WorkerState) -> None:
 def _join(msg: tuple[Any, ...], device: str) -> tuple[Communicator, str]:
     from fedagg.collectives.backends import torch_dist
 
-    _, _gen, rank, world, port, timeout, _layout, _opt = msg
+    _, _gen, rank, world, store, timeout, _layout, _opt = msg
     backend = "gloo"
     if device.startswith("cuda"):
         torch.cuda.set_device(rank % max(1, torch.cuda.device_count()))
         device = f"cuda:{torch.cuda.current_device()}"
         backend = "nccl"
-    comm = torch_dist.init_process_group(rank, world, port=port, backend=backend, timeout=timeout)
+    comm = torch_dist.init_process_group(rank, world, store_path=store, backend=backend,
+                                         timeout=timeout)
     return comm, device
 
 

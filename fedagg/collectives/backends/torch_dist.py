@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -37,10 +39,12 @@ __all__ = [
     "TorchDistCommunicator",
     "all_reduce_max",
     "destroy_process_group",
+    "file_store",
     "free_port",
     "host_store",
     "init_process_group",
     "is_initialized",
+    "loopback_interface",
     "run_processes",
 ]
 
@@ -458,44 +462,101 @@ def run_processes(
 
 
 def host_store(timeout: float = DEFAULT_TIMEOUT_S) -> tuple[Any, int]:
-    """Host a rendezvous TCPStore on 127.0.0.1 at a port the OS picks; return ``(store, port)``.
+    """Host a rendezvous TCPStore listening on 127.0.0.1 only; return ``(store, port)``.
 
-    The caller (e.g. a site's ClientApp process, which launches the workers) keeps ``store``
-    alive while the workers run; workers join with :func:`init_process_group`. Binding port 0
-    in the store itself leaves no window in which concurrent sites could pick the same port.
+    The store listens on a socket bound here to the loopback address at a port the OS picks
+    (torch's own TCPStore server would listen on every interface), so no other machine can
+    reach it and concurrent sites cannot pick the same port. It is **not** authenticated:
+    every local user can connect, read and write keys. fedagg's site workers therefore
+    rendezvous through :func:`file_store` in their pool's private directory instead.
     """
-    store = dist.TCPStore(  # type: ignore[attr-defined]
-        "127.0.0.1", 0, None, True, timeout=timedelta(seconds=timeout), wait_for_workers=False
-    )
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(128)
+        port = int(listener.getsockname()[1])
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            "127.0.0.1", port, None, True, timeout=timedelta(seconds=timeout),
+            wait_for_workers=False, master_listen_fd=listener.fileno(),
+        )
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store's server listens on this very descriptor now, and owns it
     return store, int(store.port)
+
+
+def file_store(path: str) -> Any:
+    """A rendezvous store in the file ``path`` (torch's ``FileStore``; created if missing).
+
+    Only processes that can open ``path`` reach it: put it in a directory that only this user
+    can enter (mode 0700), and no other local user can read or write a key -- there is no
+    socket to connect to. The file is never removed by the store (remove it once the group is
+    formed and left, or with its directory).
+    """
+    return dist.FileStore(path, -1)  # type: ignore[attr-defined]
+
+
+def loopback_interface() -> str:
+    """The name of the loopback network interface (``lo`` on Linux, ``lo0`` on macOS)."""
+    for _, name in socket.if_nameindex():
+        try:
+            with open(f"/sys/class/net/{name}/flags") as fh:
+                if int(fh.read().strip(), 16) & 0x8:  # IFF_LOOPBACK
+                    return name
+        except (OSError, ValueError):
+            continue
+    return "lo0" if sys.platform == "darwin" else "lo"
 
 
 def init_process_group(
     rank: int,
     world_size: int,
     *,
-    port: int,
+    port: int | None = None,
+    store_path: str | None = None,
     backend: str = "gloo",
     timeout: float = DEFAULT_TIMEOUT_S,
     host: str = "127.0.0.1",
 ) -> TorchDistCommunicator:
-    """Join the default process group through the store at ``host:port``; return its communicator.
+    """Join the default process group through a rendezvous store; return its communicator.
+
+    The group's gloo sockets are bound to the loopback interface (``GLOO_SOCKET_IFNAME`` is set
+    to it in this process): these groups join processes of one machine, and gloo would
+    otherwise listen on the address the host name resolves to, reachable from the network.
 
     Parameters
     ----------
     rank, world_size : int
         This process's rank and the number of processes.
-    port : int
-        Port of the rendezvous store (see :func:`host_store`).
+    port : int, optional
+        Port of a TCPStore at ``host`` (see :func:`host_store`).
+    store_path : str, optional
+        The file of a :func:`file_store` (in a private directory): instead of ``port``.
     backend : {"gloo", "nccl"}
         torch.distributed backend (NCCL needs ``torch.cuda.set_device`` first).
     timeout : float
         Seconds for the rendezvous, for the process group and for the communicator's waits.
+
+    Raises
+    ------
+    ConfigError
+        Neither or both of ``port`` and ``store_path`` given.
     """
+    if (port is None) == (store_path is None):
+        raise ConfigError(explain("init_process_group", f"port={port}, store_path={store_path}",
+                                  "exactly one rendezvous is needed",
+                                  "pass store_path (a file in a private directory) or port"))
+    if backend == "gloo":
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
     with group_sockets.owned():
-        store = dist.TCPStore(  # type: ignore[attr-defined]
-            host, port, None, False, timeout=timedelta(seconds=timeout)
-        )
+        if store_path is not None:
+            store = file_store(store_path)
+        elif port is not None:
+            store = dist.TCPStore(  # type: ignore[attr-defined]
+                host, port, None, False, timeout=timedelta(seconds=timeout)
+            )
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size,
             timeout=timedelta(seconds=timeout)
