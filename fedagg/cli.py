@@ -120,9 +120,14 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     preflight(cfg)  # what would fail in round 1 fails here, before the engine starts
     if args.resume:  # a refused resume: exit 2 before the engine starts, nothing written
-        from server.runner import check_resume
+        if cfg.asynchronous.mode != "off":  # FedBuff / deadline: the asynchronous state
+            from server.async_records import check_async_resume
 
-        check_resume(cfg)
+            check_async_resume(cfg)
+        else:
+            from server.runner import check_resume
+
+            check_resume(cfg)
     os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     from rich.console import Console

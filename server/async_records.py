@@ -7,7 +7,8 @@
 * ``_record`` — the ArrayRecord of a model version, one per version, shared by its
   dispatches; ``_emit`` / ``_checkpoint`` — ``metrics.json``, the round callback and the
   atomic checkpoint of the whole state after every applied buffer;
-* ``_resume`` — the state, records and run id from a checkpoint, and the in-flight
+* ``_resume`` — the state, records and run id from a checkpoint (``_load_checkpoint``: every
+  field validated first, :func:`check_async_resume` runs it before an engine starts), and the in-flight
   dispatches and federated evaluations sent again (at their original times on a virtual
   clock, so the run replays the same arrival order and versions; a cohort re-keys); ``_finish`` — ``model.npz`` /
   ``model.pt``, the plot, and a failed run when no buffer changed the model.
@@ -21,6 +22,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,19 +30,20 @@ import torch
 from flwr.app import ArrayRecord
 
 from fedagg.asyncagg import Job, VirtualClock
+from fedagg.config import RunConfig
 from fedagg.data import load_dataset
-from fedagg.errors import ConfigError, RunFailed, explain
+from fedagg.errors import CheckpointError, RunFailed, explain
 from fedagg.models import set_weights
 from fedagg.report import write_metrics, write_plot
 from fedagg.training import evaluate
-from server.checkpoint import save_checkpoint
-from server.runner import EvaluateFn, ModelFn, load_resume, model_digest
+from server.checkpoint import CHECKPOINT_NAME, Checkpoint, check_async_state, save_checkpoint
+from server.runner import EvaluateFn, ModelFn, load_resume, model_digest, wait_for_sites
 from strategies.wire import arrays_to_record, record_to_arrays
 
 if TYPE_CHECKING:
     from server.asynchronous import _AsyncRun
 
-__all__: list[str] = []  # _AsyncRun's methods and their record type (bound in server.asynchronous)
+__all__ = ["check_async_resume"]  # and _AsyncRun's methods (bound in server.asynchronous)
 
 _log = logging.getLogger("server.asynchronous")  # the name these records had before the split
 
@@ -144,16 +147,103 @@ def _new_record(self: _AsyncRun, committed: bool, summary: str) -> dict[str, Any
     return rec
 
 
-def _resume(self: _AsyncRun) -> None:
+def _load_checkpoint(self: _AsyncRun) -> Checkpoint:
+    """The checkpoint ``run.resume`` points at, validated and loaded into the run's state.
+
+    Nothing is sent and nothing is written: :func:`check_async_resume` runs exactly this
+    before an engine starts. Every field of the asynchronous state is checked first
+    (:func:`server.checkpoint.check_async_state`); a state that then fails to load is refused
+    too.
+
+    Raises
+    ------
+    CheckpointError
+        A damaged or tampered checkpoint, another configuration or model, a synchronous run's
+        checkpoint: the file, the field and the rule.
+    """
     ckpt = load_resume(self.cfg, self.keys, self.state.model)
     state = ckpt.strategy_state or {}
+    path = Path(self.cfg.run.resume or ".") / CHECKPOINT_NAME
     if "asynchronous" not in state:
-        raise ConfigError(explain("--resume", str(self.cfg.run.resume),
-                                  "holds a synchronous run's checkpoint",
-                                  "resume it with asynchronous.mode = 'off'"))
-    self.state.load_state_dict(state["asynchronous"])
+        raise CheckpointError(explain(f"{path}[meta.strategy_state]", [str(k) for k in state][:3],
+                                      "holds a synchronous run's checkpoint",
+                                      "resume it with asynchronous.mode = 'off'"))
+    s = self.cfg.strategy
+    checked = check_async_state(ckpt, self.state, mode=self.mode, secure=self.secure,
+                                max_weight=s.max_weight, max_update_norm=s.max_update_norm)
+    try:
+        self.state.load_state_dict(checked)
+    except Exception as exc:  # a rule the checks above do not know yet: refused all the same
+        raise CheckpointError(explain(f"{path}[meta.strategy_state.asynchronous]",
+                                      type(exc).__name__, f"was refused by the state: {exc}",
+                                      "restore the run directory from a backup, or start a "
+                                      "new run")) from None
     self.run_id = bytes(state["run_id"])
     self.records = list(ckpt.records)
+    return ckpt
+
+
+def check_async_resume(cfg: RunConfig, *, model_fn: ModelFn | None = None) -> Checkpoint:
+    """What a resume of the asynchronous run ``cfg`` would load, checked before any engine
+    starts (nothing is sent or written).
+
+    ``fedagg simulate --resume`` calls it for a FedBuff or deadline run (the synchronous
+    :func:`server.runner.check_resume` would hand the asynchronous state to a synchronous
+    strategy), so that a refused resume exits with status 2 and an intact one goes on.
+
+    Raises
+    ------
+    CheckpointError
+        As :func:`_load_checkpoint`.
+    ConfigError
+        A configuration the asynchronous loop cannot run.
+    """
+    from server.asynchronous import _AsyncRun
+
+    run = _AsyncRun(None, cfg, None, None, model_fn, None)  # type: ignore[arg-type]
+    return _load_checkpoint(run)
+
+
+def _forget_absent(self: _AsyncRun) -> dict[str, str]:
+    """Resume: take out of flight what was sent to nodes that are not connected now.
+
+    A new simulation engine (``fedagg simulate --resume``) gives its sites new Flower node ids,
+    and a deployment site may not be back: dispatches to such a node are taken out of flight
+    (named in the next record's ``errors``) and the loop dispatches the current model to the
+    connected sites instead; a secure cohort with such a member is closed (its members are
+    free again); an open federated evaluation keeps only its connected nodes. The version
+    sequence goes on from the checkpoint's. Returns the number of dispatches taken out.
+    """
+    wait_for_sites(self.grid, self.cfg)  # the sites the dispatches go to (run() waits too)
+    live = set(self._nodes())
+    st, gone = self.state, {}
+    why = ("dispatched before the resume to a node that is not connected now (a new engine "
+           "gives its sites new node ids); the current model goes to a connected site")
+    for c in [c for c in st.cohorts.values() if not set(c.members) <= live]:
+        for j in [j for j in st.jobs.values() if j.cohort == c.cohort]:
+            st.arrive(j.job)
+            gone[str(j.node)] = why
+        st.close_cohort(c.cohort)
+        _log.warning("resume: cohort %d had members that are not connected now; closed",
+                     c.cohort)
+    for j in [j for j in st.jobs.values() if j.node not in live]:
+        st.arrive(j.job)
+        gone[str(j.node)] = why
+    for ev in list(st.evaluations.values()):
+        nodes = tuple(n for n in ev.nodes if n in live)
+        if not nodes:
+            st.close_evaluation(ev.round)
+        elif nodes != ev.nodes:
+            st.evaluations[ev.round] = dataclasses.replace(ev, nodes=nodes)
+    if gone:
+        _log.warning("resume: %d dispatch(es) to nodes that are not connected now were taken "
+                     "out of flight", len(gone))
+    return gone
+
+
+def _resume(self: _AsyncRun) -> None:
+    _load_checkpoint(self)
+    gone = _forget_absent(self)
     for old in self.records:
         if self.on_round is not None:
             self.on_round(old)
@@ -182,6 +272,7 @@ def _resume(self: _AsyncRun) -> None:
             self._send_cohort(int(item))
     self.clock.set(now)
     self.tally = _Tally(t0=self.records[-1].get("time", now) if self.records else now)
+    self.tally.errors.update(gone)
     _log.info("resuming asynchronous run at version %d (%d dispatches sent again)",
               self.state.version, len(self.flights))
 

@@ -18,7 +18,10 @@ empty or tampered with :class:`~fedagg.errors.CheckpointError` naming the file a
 (``fedagg simulate --resume`` exits with status 2, never a traceback): the digest must match,
 and every value is validated (finite model of the config's tensor names, dtypes and shapes,
 ``round >= 0``, records, strategy state, well-formed RNG states). The RNG states are applied
-only by :meth:`Checkpoint.restore_rng`, after the whole resume has been accepted.
+only by :meth:`Checkpoint.restore_rng`, after the whole resume has been accepted. An
+asynchronous run's state (``strategy_state["asynchronous"]``) is validated field by field by
+:func:`check_async_state` before it is loaded (types, ranges, and its consistency with the
+model, the records, the buffer's entries and the guard window).
 
 Site-side state (error-feedback residuals, secure-aggregation keys) is not here: it lives on
 the sites, in Flower's ``Context.state`` (see docs/reliability.md).
@@ -47,8 +50,8 @@ from fedagg.config import RunConfig, config_hash, flatten
 from fedagg.errors import CheckpointError, explain
 from fedagg.report import atomic_write_bytes
 
-__all__ = ["CHECKPOINT_NAME", "FORMAT_VERSION", "Checkpoint", "config_diff", "load_checkpoint",
-           "save_checkpoint"]
+__all__ = ["CHECKPOINT_NAME", "FORMAT_VERSION", "Checkpoint", "check_async_state", "config_diff",
+           "load_checkpoint", "save_checkpoint"]
 
 CHECKPOINT_NAME = "checkpoint.npz"
 FORMAT_VERSION = 2
@@ -423,3 +426,349 @@ def config_diff(saved: dict[str, Any], cfg: RunConfig) -> list[str]:
         for k in sorted(set(a) | set(b))
         if k not in ignore and a.get(k) != b.get(k)
     ]
+
+
+# -- asynchronous runs ---------------------------------------------------------------------------
+
+_A = "meta.strategy_state.asynchronous"
+_NODE_MAX = 2**64 - 1  # Flower node ids are unsigned 64-bit
+_COUNT_MAX = 10**12
+
+
+def _number(rd: _Reader, name: str, value: object, lo: float, hi: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or \
+            not (math.isfinite(value) and lo <= value <= hi):
+        raise rd.fail(name, value, f"must be a finite number in [{lo:g}, {hi:g}]")
+    return float(value)
+
+
+def _fields(rd: _Reader, name: str, value: object, required: Sequence[str]) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise rd.fail(name, type(value).__name__, "must be an object")
+    missing = [k for k in required if k not in value]
+    if missing:
+        raise rd.fail(f"{name}.{missing[0]}", "missing", "is a field fedagg writes")
+    return value
+
+
+def _list(rd: _Reader, name: str, value: object) -> list[Any]:
+    if not isinstance(value, list):
+        raise rd.fail(name, type(value).__name__, "must be a list")
+    return value
+
+
+def _like(rd: _Reader, name: str, value: object, like: Sequence[np.ndarray],
+          dtype: Any = None) -> list[np.ndarray]:
+    """A list of arrays with ``like``'s shapes (and dtypes, or ``dtype``)."""
+    arrays = _list(rd, name, value)
+    if len(arrays) != len(like) or not all(isinstance(a, np.ndarray) for a in arrays):
+        raise rd.fail(name, f"{len(arrays)} items", f"must be {len(like)} arrays like the model")
+    for i, (a, b) in enumerate(zip(arrays, like, strict=True)):
+        want = np.dtype(dtype) if dtype is not None else b.dtype
+        if a.shape != b.shape or a.dtype != want:
+            raise rd.fail(f"{name}[{i}]", f"{a.dtype}{list(a.shape)}",
+                          f"must be {want}{list(b.shape)} like the model")
+        rd.finite(f"{name}[{i}]", a)
+    return arrays
+
+
+def _is(value: object, want: int | str | None) -> bool:
+    """``value == want`` for a JSON scalar of ``want``'s type (no bool for an int, no array)."""
+    if want is None:
+        return value is None
+    if isinstance(want, str):
+        return isinstance(value, str) and value == want
+    return isinstance(value, int) and not isinstance(value, bool) and value == want
+
+
+def _norm2(arrays: Sequence[np.ndarray]) -> float:
+    return math.sqrt(sum(float(np.vdot(a, a)) for a in arrays))
+
+
+def check_async_state(ckpt: Checkpoint, fresh: Any, *, mode: str, secure: bool,
+                      max_weight: float | None = None, max_update_norm: float | None = None
+                      ) -> dict[str, Any]:
+    """Validate the asynchronous server state of a checkpoint before anything is loaded.
+
+    Every field :meth:`fedagg.asyncagg.AsyncServerState.state_dict` writes is checked for its
+    type, its range and its consistency with the rest of the checkpoint: the model equals the
+    checkpoint's model; the records' versions count the committed buffers up to the state's
+    version; every dispatch, cohort and evaluation references a kept model version, a known
+    counter, a time no later than ``now``; the buffer has the run's size and weighting, and
+    its entries the staleness, staleness weight, weight and count they were folded with
+    (their weights are the guard window's last ones); its normaliser is theirs; and its
+    running sum is no longer than the entries' delta norms (the window's) allow -- a buffer
+    sum of 1e30 never reaches the model. The optimizer's state must load into ``fresh``'s
+    optimizer and fit the model.
+
+    Parameters
+    ----------
+    ckpt : Checkpoint
+        What :func:`load_checkpoint` returned (its model and records are validated already).
+    fresh : AsyncServerState
+        A state built from the run's configuration, as the run builds it (its buffer size,
+        weighting, staleness weight, staleness bound, guard window and optimizer kind are the
+        rules); nothing is loaded into it but a scratch copy of the optimizer.
+    mode : {"fedbuff", "deadline"}
+        The run's ``asynchronous.mode``.
+    secure : bool
+        Whether the run uses secure aggregation (only then are cohorts open).
+    max_weight, max_update_norm : float, optional
+        ``strategy.max_weight`` / ``strategy.max_update_norm``: bounds every folded entry had
+        to meet.
+
+    Returns
+    -------
+    dict
+        The validated state (the ``"asynchronous"`` part).
+
+    Raises
+    ------
+    CheckpointError
+        The first field that breaks a rule, named with the file (``checkpoint.npz[meta.
+        strategy_state.asynchronous.buffer.sum]``), the value and the rule.
+    """
+    import copy
+
+    rd = _Reader(ckpt.path or Path(CHECKPOINT_NAME))
+    top = _fields(rd, "meta.strategy_state", ckpt.strategy_state, ("asynchronous", "run_id"))
+    run_id = top["run_id"]
+    if not isinstance(run_id, bytes) or len(run_id) != 16:
+        raise rd.fail("meta.strategy_state.run_id", type(run_id).__name__,
+                      "must be the run's 16-byte id")
+    st = _fields(rd, _A, top["asynchronous"], (
+        "version", "model", "versions", "buffer", "optimizer", "jobs", "cohorts", "site_rounds",
+        "next_job", "next_cohort", "round", "round_started", "now"))
+    model = list(ckpt.arrays)
+    version = rd.int_in(f"{_A}.version", st["version"], 0, 10**9)
+    for i, (a, b) in enumerate(zip(_like(rd, f"{_A}.model", st["model"], model), model,
+                                   strict=True)):
+        if not np.array_equal(a, b):
+            raise rd.fail(f"{_A}.model[{i}]", "differs", "must equal the checkpoint's model "
+                          f"(a{i}): both are the model of version {version}")
+    # the records: one per buffer taken, the committed ones counted by the version
+    committed = 0
+    for i, rec in enumerate(ckpt.records):
+        if i and rec.get("model_updated") is True:
+            committed += 1
+        v = rec.get("version")
+        if isinstance(v, bool) or v != committed:
+            raise rd.fail(f"meta.records[{i}].version", v,
+                          f"must be {committed}: the committed buffers up to that record")
+        if rec.get("mode", mode) != mode:
+            raise rd.fail(f"meta.records[{i}].mode", rec.get("mode"), f"must be {mode!r}")
+    if version != committed:
+        raise rd.fail(f"{_A}.version", version, f"must be {committed}, the committed buffers "
+                      "the records count")
+    now = _number(rd, f"{_A}.now", st["now"], 0.0, 1e15)
+    last_time = ckpt.records[-1].get("time") if ckpt.records else None
+    if isinstance(last_time, int | float) and not isinstance(last_time, bool) \
+            and math.isfinite(last_time) and now < last_time:
+        raise rd.fail(f"{_A}.now", now, f"must be >= the last record's time {last_time:g}")
+    next_job = rd.int_in(f"{_A}.next_job", st["next_job"], 1, _COUNT_MAX)
+    next_cohort = rd.int_in(f"{_A}.next_cohort", st["next_cohort"], 1, _COUNT_MAX)
+    rnd = rd.int_in(f"{_A}.round", st["round"], 0, ckpt.round + 1 if mode == "deadline" else 0)
+    _number(rd, f"{_A}.round_started", st["round_started"], 0.0, now)
+    # kept model versions: exactly those a dispatch, a cohort or an evaluation references
+    raw_versions = st["versions"]
+    if not isinstance(raw_versions, dict):
+        raise rd.fail(f"{_A}.versions", type(raw_versions).__name__, "must be an object")
+    kept: set[int] = set()
+    for key, arrays in raw_versions.items():
+        name = f"{_A}.versions[{key!r}]"
+        if not isinstance(key, str) or not key.isdigit() or len(key) > 10 \
+                or not 0 <= int(key) < version:
+            raise rd.fail(name, key, f"must be an older version number in [0, {version})")
+        _like(rd, name, arrays, model)
+        kept.add(int(key))
+    kept_or_now = kept | {version}
+
+    def referenced(name: str, v: object) -> int:
+        got = rd.int_in(name, v, 0, version)
+        if got not in kept_or_now:
+            raise rd.fail(name, got, f"must be a kept model version {sorted(kept_or_now)}")
+        return got
+
+    cohorts: dict[int, Any] = {}
+    for i, c in enumerate(_list(rd, f"{_A}.cohorts", st["cohorts"])):
+        name = f"{_A}.cohorts[{i}]"
+        c = _fields(rd, name, c, ("cohort", "version", "server_round", "members", "started_at",
+                                  "attempt"))
+        cid = rd.int_in(f"{name}.cohort", c["cohort"], 1, next_cohort - 1)
+        if not secure:
+            raise rd.fail(name, cid, "a plaintext run opens no secure cohort")
+        if cid in cohorts:
+            raise rd.fail(f"{name}.cohort", cid, "must be unique")
+        referenced(f"{name}.version", c["version"])
+        if not _is(c["server_round"], cid):
+            raise rd.fail(f"{name}.server_round", c["server_round"],
+                          f"must be the cohort's number {cid}")
+        members = _list(rd, f"{name}.members", c["members"])
+        for mi, m in enumerate(members):
+            rd.int_in(f"{name}.members[{mi}]", m, 0, _NODE_MAX)
+        if not members or members != sorted(set(members)):
+            raise rd.fail(f"{name}.members", members[:4],
+                          "must be a non-empty sorted list of distinct node ids")
+        _number(rd, f"{name}.started_at", c["started_at"], 0.0, now)
+        rd.int_in(f"{name}.attempt", c["attempt"], 0, 10**6)
+        cohorts[cid] = c
+    site_rounds = st["site_rounds"]
+    if not isinstance(site_rounds, dict):
+        raise rd.fail(f"{_A}.site_rounds", type(site_rounds).__name__, "must be an object")
+    most = max(next_job - 1, next_cohort - 1, rnd)
+    for key, n in site_rounds.items():
+        if not isinstance(key, str) or not key.isdigit() or int(key) > _NODE_MAX:
+            raise rd.fail(f"{_A}.site_rounds", key, "keys must be node ids")
+        rd.int_in(f"{_A}.site_rounds[{key!r}]", n, 1, max(most, 1))
+    jobs: dict[int, Any] = {}
+    for i, j in enumerate(_list(rd, f"{_A}.jobs", st["jobs"])):
+        name = f"{_A}.jobs[{i}]"
+        j = _fields(rd, name, j, ("job", "node", "version", "server_round", "dispatched_at",
+                                  "cohort"))
+        jid = rd.int_in(f"{name}.job", j["job"], 1, next_job - 1)
+        if jid in jobs or (jobs and jid < max(jobs)):
+            raise rd.fail(f"{name}.job", jid, "must be unique and increasing")
+        node = rd.int_in(f"{name}.node", j["node"], 0, _NODE_MAX)
+        referenced(f"{name}.version", j["version"])
+        srv = rd.int_in(f"{name}.server_round", j["server_round"], 1, 10**9)
+        if site_rounds.get(str(node), 0) < srv:
+            raise rd.fail(f"{name}.server_round", srv, f"must be <= site_rounds[{str(node)!r}]"
+                          f" = {site_rounds.get(str(node))} (the node's dispatches)")
+        _number(rd, f"{name}.dispatched_at", j["dispatched_at"], 0.0, now)
+        cid = j["cohort"]
+        if not _is(cid, -1):
+            rd.int_in(f"{name}.cohort", cid, 1, next_cohort - 1)
+            if cid not in cohorts or node not in cohorts[cid]["members"]:
+                raise rd.fail(f"{name}.cohort", cid, "must be -1 or an open cohort of the node")
+        jobs[jid] = j
+    evaluations = st.get("evaluations") or []
+    seen: set[int] = set()
+    for i, e in enumerate(_list(rd, f"{_A}.evaluations", evaluations)):
+        name = f"{_A}.evaluations[{i}]"
+        e = _fields(rd, name, e, ("round", "version", "nodes", "sent_at"))
+        er = rd.int_in(f"{name}.round", e["round"], 0, ckpt.round)
+        if er in seen:
+            raise rd.fail(f"{name}.round", er, "must be unique")
+        seen.add(er)
+        referenced(f"{name}.version", e["version"])
+        nodes = _list(rd, f"{name}.nodes", e["nodes"])
+        for k, n in enumerate(nodes):
+            rd.int_in(f"{name}.nodes[{k}]", n, 0, _NODE_MAX)
+        if nodes != sorted(set(nodes)):
+            raise rd.fail(f"{name}.nodes", nodes[:4], "must be sorted distinct node ids")
+        _number(rd, f"{name}.sent_at", e["sent_at"], 0.0, now)
+    used = {j["version"] for j in jobs.values()} | {c["version"] for c in cohorts.values()}
+    used |= {e["version"] for e in evaluations}
+    for v in sorted(kept - used):
+        raise rd.fail(f"{_A}.versions[{str(v)!r}]", v,
+                      "is kept although no dispatch, cohort or evaluation references it")
+    # the guard window, then the buffer (whose entries are the window's newest updates)
+    guards = fresh.guards
+    window = st.get("guard_window")
+    norms: list[float] = []
+    weights: list[float] = []
+    if window is not None:
+        w = _fields(rd, f"{_A}.guard_window", window, ("size", "norms", "weights"))
+        size = guards.size if guards is not None else None
+        if not _is(w["size"], size):
+            raise rd.fail(f"{_A}.guard_window.size", w["size"],
+                          f"must be asynchronous.guard_window = {size}")
+        for key, out in (("norms", norms), ("weights", weights)):
+            values = _list(rd, f"{_A}.guard_window.{key}", w[key])
+            for k, x in enumerate(values):
+                out.append(_number(rd, f"{_A}.guard_window.{key}[{k}]", x, 0.0, 1e300))
+        if len(norms) != len(weights) or len(norms) > w["size"]:
+            raise rd.fail(f"{_A}.guard_window", f"{len(norms)} norms, {len(weights)} weights",
+                          f"must be two lists of one length <= {w['size']}")
+    buf = _fields(rd, f"{_A}.buffer", st["buffer"], ("size", "weighting", "sum", "norm",
+                                                     "entries"))
+    b = fresh.buffer
+    if not _is(buf["size"], b.size):
+        raise rd.fail(f"{_A}.buffer.size", buf["size"], f"must be the run's buffer size {b.size}")
+    if not _is(buf["weighting"], b.weighting):
+        raise rd.fail(f"{_A}.buffer.weighting", buf["weighting"],
+                      f"must be asynchronous.weighting = {b.weighting!r}")
+    entries = _list(rd, f"{_A}.buffer.entries", buf["entries"])
+    total_count, normaliser, bound, bounded = 0, 0.0, 0.0, True
+    newest = len(entries)
+    for i, e in enumerate(entries):
+        name = f"{_A}.buffer.entries[{i}]"
+        e = _fields(rd, name, e, ("node", "partition", "job", "version", "staleness", "scale",
+                                  "weight", "count"))
+        node = e["node"]
+        cohort_entry = _is(node, -1)
+        if not cohort_entry:
+            rd.int_in(f"{name}.node", node, 0, _NODE_MAX)
+        if cohort_entry and not secure:
+            raise rd.fail(f"{name}.node", node, "a plaintext run folds no cohort (node -1)")
+        rd.int_in(f"{name}.partition", e["partition"], -1, 2**31 - 1)
+        rd.int_in(f"{name}.job", e["job"], 1, (next_cohort if cohort_entry else next_job) - 1)
+        v = rd.int_in(f"{name}.version", e["version"], 0, version)
+        s = rd.int_in(f"{name}.staleness", e["staleness"], 0, 10**9)
+        if s != version - v:
+            raise rd.fail(f"{name}.staleness", s, f"must be {version - v}: the buffer is folded "
+                          f"at version {version}, the update came from version {v}")
+        if fresh.max_staleness is not None and s > fresh.max_staleness:
+            raise rd.fail(f"{name}.staleness", s,
+                          f"must be <= asynchronous.max_staleness = {fresh.max_staleness}")
+        scale = _number(rd, f"{name}.scale", e["scale"], 0.0, 1.0)
+        want = float(fresh.staleness_weight(s))
+        if not math.isclose(scale, want, rel_tol=1e-12, abs_tol=1e-15):
+            raise rd.fail(f"{name}.scale", scale, f"must be the staleness weight w({s}) = {want}")
+        weight = _number(rd, f"{name}.weight", e["weight"], 0.0, 1e300)
+        if weight <= 0 or (max_weight is not None and weight > max_weight):
+            raise rd.fail(f"{name}.weight", weight, "must be > 0" + (
+                f" and <= strategy.max_weight = {max_weight:g}" if max_weight is not None else ""))
+        count = rd.int_in(f"{name}.count", e["count"], 1, 10**6)
+        if not cohort_entry and count != 1:
+            raise rd.fail(f"{name}.count", count, "a site's update stands for 1 site")
+        total_count += count
+        n = weight if b.weighting == "examples" else float(count)
+        normaliser += n
+        k = len(weights) - (newest - i)  # this entry's place in the guard window
+        if window is not None:
+            if k < 0 and len(weights) < (guards.size if guards is not None else 0):
+                raise rd.fail(f"{_A}.guard_window", f"{len(weights)} updates",
+                              f"must hold the buffer's {newest} folded updates (each enters it)")
+            if k >= 0 and not math.isclose(weights[k], weight, rel_tol=1e-12):
+                raise rd.fail(f"{name}.weight", weight, f"must be the weight it was folded with "
+                              f"(guard_window.weights[{k}] = {weights[k]:g})")
+        if window is not None and k >= 0:
+            bound += scale * n * norms[k]
+        elif max_update_norm is not None:
+            bound += scale * n * max_update_norm
+        else:
+            bounded = False
+    if b.size > 1 and total_count >= b.size:
+        raise rd.fail(f"{_A}.buffer.entries", f"{total_count} site updates",
+                      f"must be < asynchronous.buffer_size = {b.size}: a full buffer is applied "
+                      "before the checkpoint")
+    if mode == "deadline" and total_count > max(len(site_rounds), 1) * max(rnd, 1):
+        raise rd.fail(f"{_A}.buffer.entries", f"{total_count} site updates",
+                      "must be at most one per dispatched site and round")
+    norm = _number(rd, f"{_A}.buffer.norm", buf["norm"], 0.0, 1e300)
+    if not math.isclose(norm, normaliser, rel_tol=1e-9, abs_tol=1e-12):
+        what = "weights" if b.weighting == "examples" else "counts"
+        raise rd.fail(f"{_A}.buffer.norm", norm,
+                      f"must be the sum of the entries' {what} = {normaliser:g}")
+    if (buf["sum"] is None) != (not entries):
+        raise rd.fail(f"{_A}.buffer.sum", "None" if buf["sum"] is None else "arrays",
+                      "must be None exactly when the buffer has no entry")
+    if buf["sum"] is not None:
+        total = _like(rd, f"{_A}.buffer.sum", buf["sum"], model, np.float64)
+        length = _norm2(total)
+        if bounded and not length <= bound * (1 + 1e-6) + 1e-12:
+            raise rd.fail(f"{_A}.buffer.sum", f"L2 norm {length:.6g}",
+                          f"must be <= {bound:.6g}, what its entries can sum to (each update's "
+                          "delta norm, from the guard window, x its weight x its staleness "
+                          "weight)")
+    # the optimizer: its own checks, on a scratch copy, and moments that fit the model
+    opt = _fields(rd, f"{_A}.optimizer", st["optimizer"], ("kind", "t"))
+    try:
+        copy.deepcopy(fresh.optimizer).load_state_dict(opt)
+    except Exception as exc:  # the optimizer's own checks (kind, step count, finite moments)
+        raise rd.fail(f"{_A}.optimizer", type(exc).__name__, f"was refused: {exc}") from None
+    for key in ("m", "v"):
+        if opt.get(key) is not None:
+            _like(rd, f"{_A}.optimizer.{key}", opt[key], model, np.float64)
+    return st
