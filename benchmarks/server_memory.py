@@ -22,7 +22,7 @@ with their defaults, each reply folded into one :class:`fedagg.accumulate.Accumu
 dropped); ``streaming-noguards`` the same without the round guards
 (``max_weight_ratio = norm_outlier_factor = 0``: Flower's semantics, no delta norms, nothing
 kept aside for a correction); ``sharded<S>`` = ``strategies.FedAvg(shards=S)``, the
-accumulator on ``S`` Ray actors (:class:`server.sharded.ShardedAccumulator`); ``replies`` =
+accumulator on ``S`` Ray actors (:class:`strategies.sharded.ShardedAccumulator`); ``replies`` =
 the harness alone
 (replies built and dropped). Cases whose projected peak exceeds
 ``--budget-gib`` are skipped and listed (Flower's grows with N: ~N + 2 models).

@@ -91,12 +91,12 @@ def _send_cohort(self: _AsyncRun, cohort_id: int) -> None:
     config = config_with_round(client_config(self.cfg), c.server_round)
     msgs = list(sec.configure_train(c.server_round, self._record(c.version), config,
                                     NodeView(self.grid, c.members)))
-    log = sec.round_log
+    log = sec.report
     if not msgs:
         self.state.close_cohort(cohort_id)
         self.tally.bytes_up += log.bytes_up
         self.tally.bytes_down += log.bytes_down
-        for node, why in log.failed.items():
+        for node, why in log.errors.items():
             self.tally.errors[str(node)] = why
         self.tally.errors[f"cohort {cohort_id}"] = log.aborted or "no site could be keyed"
         _log.warning("cohort %d: %s", cohort_id, log.aborted)
@@ -168,11 +168,15 @@ def _close_cohort(self: _AsyncRun, cohort_id: int) -> None:
     replies = [r for r in run.replies.values()]
     self.tally.replied += sum(1 for r in replies if not r.has_error())
     run.sec.aggregate_train(c.server_round, replies)
-    log = run.sec.round_log
+    log = run.sec.report
     self.tally.bytes_up += log.bytes_up
     self.tally.bytes_down += log.bytes_down
     uploaded = sum(1 for r in replies if not r.has_error())
-    for node, why in log.failed.items():
+    for key, why in log.errors.items():
+        if not key.lstrip("-").isdigit():
+            self.tally.errors.setdefault(key, why)
+            continue
+        node = int(key)
         if node not in run.replies:  # closed before it uploaded: late, not failed
             why = (f"cohort {cohort_id} closed ({uploaded} of {len(run.nodes)} uploads, "
                    f"asynchronous.cohort_quorum = {self.cfg.asynchronous.cohort_quorum}, "
@@ -180,7 +184,7 @@ def _close_cohort(self: _AsyncRun, cohort_id: int) -> None:
                    "before this site uploaded: counted as dropped, its masks removed with "
                    "Shamir shares")
         self.tally.errors.setdefault(str(node), why)
-    for who, why in log.rejected.items():
+    for who, why in log.refused.items():
         self.tally.refused.setdefault(str(who), why)
     server = run.sec.server
     if server is not None:

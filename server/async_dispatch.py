@@ -35,13 +35,13 @@ from flwr.serverapp.strategy import Strategy
 from flwr.supercore.run import Run
 
 from fedagg.config import RunConfig
-from fedagg.errors import ConfigError, UpdateRejected, explain
+from fedagg.errors import ConfigError, explain
 from fedagg.update import UploadSpec
-from strategies.checks import Update
 from strategies.compressed import Compressed
 from strategies.fedavg import FedAvg
 from strategies.registry import build_strategy
 from strategies.secure import SecureAggregation
+from strategies.update import Update
 
 __all__ = ["CohortSink", "NodeView", "check_asynchronous", "cohort_strategy", "decode_update",
            "job_strategy"]
@@ -95,7 +95,8 @@ def _take_all(strategy: FedAvg) -> None:
 
 
 def _fedavg_of(strategy: Strategy) -> FedAvg | None:
-    inner = strategy.inner if isinstance(strategy, Compressed | SecureAggregation) else strategy
+    inner = (strategy.aggregator if isinstance(strategy, SecureAggregation)
+             else strategy.inner if isinstance(strategy, Compressed) else strategy)
     return inner if type(inner) is FedAvg else None
 
 
@@ -197,16 +198,12 @@ def decode_update(strategy: FedAvg | Compressed, reply: Message, server_round: i
         With the per-reply guard's reason.
     """
     if isinstance(strategy, Compressed):
-        delta, weight, metrics = strategy.decode_reply(reply)
-        return [np.asarray(d, np.float64) for d in delta], float(weight), dict(metrics)
-    good: list[Update] = strategy.accept([reply], server_round)
-    if not good:
-        reason = next(iter(strategy.last_rejected.values()), "refused by the per-reply checks")
-        raise UpdateRejected(reason)
-    arrays, weight, metrics, _ = good[0]
+        u = strategy.codec.decode(reply)
+        return [np.asarray(d, np.float64) for d in u.tensors], float(u.weight), dict(u.metrics)
+    u = strategy.codec().decode(reply)
     delta = [np.asarray(a, np.float64) - np.asarray(s, np.float64)
-             for a, s in zip(arrays, sent, strict=True)]
-    return delta, float(weight), dict(metrics)
+             for a, s in zip(u.tensors, sent, strict=True)]
+    return delta, float(u.weight), dict(u.metrics)
 
 
 class CohortSink(FedAvg):
@@ -232,9 +229,9 @@ class CohortSink(FedAvg):
         if len(got) != 1:
             raise ConfigError(explain("secure cohort", len(got), "must hand over one aggregate",
                                       "-"))
-        delta, weight, metrics, _ = got[0]
-        self.captured = ([np.asarray(d, np.float64) for d in delta], float(weight),
-                         dict(metrics), int(sites if sites is not None else 1))
+        u = got[0]
+        self.captured = ([np.asarray(d, np.float64) for d in u.tensors], float(u.weight),
+                         dict(u.metrics), int(sites if sites is not None else 1))
         return ArrayRecord(), MetricRecord()
 
 
@@ -251,8 +248,11 @@ def cohort_strategy(cfg: RunConfig, run_id: bytes, cohort: int, attempt: int,
                          + f"/{cohort}/{attempt}".encode()).digest()[:16]
     c = cfg.compression
     UploadSpec.parse(c.up, support=c.support, down=c.down, secure=True)
-    sec = SecureAggregation(sink, secagg=cfg.secagg, run_id=tag, up=c.up, support=c.support,
-                            run_seed=cfg.run.seed, max_update_norm=cfg.strategy.max_update_norm,
+    inner: Strategy = sink if c.up == "none" else Compressed(
+        sink, up=c.up, support=c.support, seed=cfg.run.seed,
+        max_update_norm=cfg.strategy.max_update_norm)
+    sec = SecureAggregation(inner, secagg=cfg.secagg, run_id=tag, run_seed=cfg.run.seed,
+                            max_update_norm=cfg.strategy.max_update_norm,
                             upload_timeout=upload_timeout)
     return sec, sink
 

@@ -86,10 +86,10 @@ from server.runner import (
     wait_for_sites,
 )
 from strategies.base import filter_replies
-from strategies.checks import partition_of
 from strategies.compressed import Compressed
 from strategies.fedavg import FedAvg
 from strategies.secure import SecureAggregation
+from strategies.update import partition_of
 from strategies.wire import message_nbytes, record_to_arrays
 
 __all__ = ["run_async_server"]

@@ -44,6 +44,7 @@ from fedagg.training import evaluate
 from server.checkpoint import Checkpoint, config_diff, load_checkpoint, save_checkpoint
 from strategies.base import RoundResult, run_evaluate_round, run_train_round
 from strategies.registry import build_strategy
+from strategies.update import RoundReport
 from strategies.wire import arrays_to_record, config_to_record, record_to_arrays
 
 __all__ = ["RoundCallback", "check_resume", "client_config", "load_resume", "run_server"]
@@ -185,10 +186,9 @@ def _failed_round(rnd: int, exc: Exception) -> RoundResult:
     why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
     _log.error("round %d: unexpected error in the round (global model unchanged, the run "
                "goes on): %s", rnd, why, exc_info=True)
-    return RoundResult(arrays=None, metrics=None,
-                       errors={"server": f"unexpected error in the round: {why}"},
-                       aborted=f"unexpected error in the round's training or aggregation: "
-                               f"{why}")
+    return RoundResult(arrays=None, metrics=None, report=RoundReport(
+        errors={"server": f"unexpected error in the round: {why}"},
+        aborted=f"unexpected error in the round's training or aggregation: {why}"))
 
 
 def _finite_number(value: Any) -> bool:
@@ -249,10 +249,11 @@ def check_resume(cfg: RunConfig, *, model_fn: ModelFn | None = None) -> Checkpoi
 
 def round_summary(rnd: int, result: RoundResult) -> str:
     """One line naming why a round aggregated nothing (rejections, errors, missing replies)."""
-    reasons = {**result.errors, **result.rejected}
-    if result.aborted:
-        why = result.aborted
-    elif not result.sampled:
+    report = result.report
+    reasons = {**report.errors, **report.refused}
+    if report.aborted:
+        why = report.aborted
+    elif not report.sampled:
         why = "no site was sampled (or the round was aborted before training)"
     elif not reasons:
         why = "the strategy returned no model"
@@ -260,7 +261,7 @@ def round_summary(rnd: int, result: RoundResult) -> str:
         parts = [f"node {n}: {r.splitlines()[0][:200]}" for n, r in sorted(reasons.items())[:5]]
         more = len(reasons) - len(parts)
         why = "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
-    return (f"round {rnd}: nothing aggregated ({result.replies} of {result.sampled} sites "
+    return (f"round {rnd}: nothing aggregated ({report.replies} of {report.sampled} sites "
             f"replied): {why}")
 
 
@@ -369,14 +370,17 @@ def run_server(
         try:
             result = run_train_round(strategy, grid, rnd, arrays, client_config(cfg),
                                      round_deadline(cfg, rnd), retries=cfg.run.retries)
+        except ConfigError:  # the run cannot work as configured: no later round would either
+            raise
         except Exception as exc:  # one round's failure never ends the run (docs/reliability)
             result = _failed_round(rnd, exc)
+        report = result.report
         _test_kill_point(rnd, "after-train")
         problem = _model_problem(result.arrays, arrays, cfg) if result.arrays is not None else ""
         if problem:
-            result.rejected["server"] = (f"{problem}: the aggregated model was not committed "
-                                         "(global model unchanged)")
-            _log.error("round %d: %s", rnd, result.rejected["server"])
+            report.refused["server"] = (f"{problem}: the aggregated model was not committed "
+                                        "(global model unchanged)")
+            _log.error("round %d: %s", rnd, report.refused["server"])
             result.arrays = None
         if result.arrays is not None:
             arrays = result.arrays
@@ -400,22 +404,22 @@ def run_server(
                                      round_deadline(cfg, rnd)) if due else None
         except Exception as exc:  # like training: the round's record says why, the run goes on
             fed = None
-            result.errors["server-evaluate"] = (f"unexpected error in federated evaluation: "
+            report.errors["server-evaluate"] = (f"unexpected error in federated evaluation: "
                                                 f"{type(exc).__name__}: {exc}"[:400])
-            _log.error("round %d: %s", rnd, result.errors["server-evaluate"], exc_info=True)
+            _log.error("round %d: %s", rnd, report.errors["server-evaluate"], exc_info=True)
         if fed is not None:
             rec["federated_eval"] = {k: v for k, v in fed.items() if _finite_number(v)}
         span = memory.stop()  # training, aggregation and evaluation
         rec.update(server_rss_peak=span.peak, server_rss_start=span.start,
                    server_rss_method=span.method)
         rec.update(
-            bytes_up=result.bytes_up,
-            bytes_down=result.bytes_down,
-            exchanges=result.exchanges,
-            sites_sampled=result.sampled,
-            sites_replied=result.replies,
-            sites_failed=result.failures,
-            sites_rejected=len(result.rejected),
+            bytes_up=report.bytes_up,
+            bytes_down=report.bytes_down,
+            exchanges=max(report.exchanges, 1),
+            sites_sampled=report.sampled,
+            sites_replied=report.replies,
+            sites_failed=max(report.sampled - report.replies, 0),
+            sites_rejected=len(report.refused),
             model_updated=result.arrays is not None,
             seconds=time.perf_counter() - t0,
             seconds_train=t1 - t0,
@@ -431,22 +435,18 @@ def run_server(
                     if k.startswith("secagg-") and _finite_number(v)
                 }
             )  # secure aggregation: counted, dropped, error bound
-        for phase, sec in result.seconds.items():
+        for phase, sec in report.seconds.items():
             rec[f"seconds_{phase}"] = sec
-        site_metrics = getattr(strategy, "last_site_metrics", None)
-        if site_metrics:  # per site (by partition id): compute / comm seconds, bytes all-reduced
-            rec["site_metrics"] = dict(site_metrics)
-        accepted = getattr(strategy, "last_accepted", None)
-        if accepted is not None:
-            rec["sites"] = list(accepted)
-        capped = getattr(strategy, "last_capped", None) or getattr(
-            getattr(strategy, "inner", None), "last_capped", None)
-        if capped:
-            rec["weights_capped"] = dict(capped)
-        if result.rejected:
-            rec["rejected"] = result.rejected
-        if result.errors:
-            rec["errors"] = result.errors
+        if report.site_metrics:  # per site (by partition id): compute / comm seconds, ...
+            rec["site_metrics"] = dict(report.site_metrics)
+        if report.accepted:
+            rec["sites"] = list(report.accepted)
+        if report.capped:
+            rec["weights_capped"] = dict(report.capped)
+        if report.refused:
+            rec["rejected"] = dict(report.refused)
+        if report.errors:
+            rec["errors"] = dict(report.errors)
         if result.arrays is None:
             rec["summary"] = summaries[-1]
         records.append(rec)

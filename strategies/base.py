@@ -10,7 +10,9 @@ error replies are retried within the deadline when the strategy allows it, and b
 seconds and rejections are recorded. Wrappers that need
 more exchanges (secure aggregation's key setup and unmasking) run them inside
 ``configure_train`` / ``aggregate_train`` with the Grid they were given, so they work under
-``Strategy.start()`` too, and report those exchanges in :attr:`RoundLog` (``round_log``).
+``Strategy.start()`` too, and report them in their :attr:`FedaggStrategy.report`. Whether a
+reply counts is decided in one place, :class:`ReplyGate`, which the synchronous exchanges and
+the asynchronous loop both use.
 
 Plugins subclass a Flower strategy (or fedagg's :class:`~strategies.fedavg.FedAvg`),
 optionally declare a pydantic ``Config`` model for their options and a
@@ -33,11 +35,13 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from pydantic import BaseModel
 
+from strategies.update import RoundReport
 from strategies.wire import message_nbytes, messages_nbytes
 
 __all__ = [
+    "ExchangeLog",
     "FedaggStrategy",
-    "RoundLog",
+    "ReplyGate",
     "RoundResult",
     "exchange",
     "filter_replies",
@@ -51,59 +55,11 @@ _log = logging.getLogger(__name__)
 
 @dataclass
 class RoundResult:
-    """Outcome of one training round as the server loop records it."""
+    """Outcome of one training round: the new model (None: unchanged), its metrics, the report."""
 
     arrays: ArrayRecord | None
     metrics: MetricRecord | None
-    bytes_down: int = 0
-    bytes_up: int = 0
-    exchanges: int = 1
-    sampled: int = 0
-    replies: int = 0
-    failures: int = 0
-    rejected: dict[str, str] = field(default_factory=dict)
-    seconds: dict[str, float] = field(default_factory=dict)
-    errors: dict[str, str] = field(default_factory=dict)
-    aborted: str = ""
-    """Why the strategy aborted the round ('' when it did not)."""
-
-
-@dataclass
-class RoundLog:
-    """What a wrapper did inside ``configure_train`` / ``aggregate_train`` of one round.
-
-    Attributes
-    ----------
-    bytes_down, bytes_up : int
-        Bytes of its own exchanges (not the train messages / replies, which the driver counts).
-    exchanges : int
-        Its own exchanges.
-    rejected : dict
-        Node id -> reason, for replies it refused.
-    failed : dict
-        Node id -> reason, for sites that dropped.
-    seconds : dict
-        Phase -> seconds.
-    up : dict
-        Phase -> bytes up of its own exchanges.
-    aborted : str
-        Why the round was aborted ('' when it was not).
-    """
-
-    bytes_down: int = 0
-    bytes_up: int = 0
-    exchanges: int = 0
-    rejected: dict[str, str] = field(default_factory=dict)
-    failed: dict[int, str] = field(default_factory=dict)
-    seconds: dict[str, float] = field(default_factory=dict)
-    up: dict[str, int] = field(default_factory=dict)
-    aborted: str = ""
-
-    def tick(self, phase: str, t0: float) -> float:
-        """Add the time since ``t0`` to ``phase``; returns now."""
-        now = time.perf_counter()
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - t0
-        return now
+    report: RoundReport = field(default_factory=RoundReport)
 
 
 class FedaggStrategy(Strategy):
@@ -116,10 +72,66 @@ class FedaggStrategy(Strategy):
     aggregates_linearly : bool
         Whether the aggregate is a weighted mean of the updates (secure aggregation can wrap
         it: the masked sum is all it needs).
+
+    Attributes
+    ----------
+    report : RoundReport
+        What the strategy did in the round being aggregated (reset by ``configure_train``):
+        updates refused or capped with their reasons, the accepted sites, its own exchanges'
+        bytes and seconds. fedagg's round loop merges it into the round's report.
     """
 
     Config: ClassVar[type[BaseModel] | None] = None
     aggregates_linearly: ClassVar[bool] = False
+    allows_retries: ClassVar[bool] = True
+    """Whether a site may be sent its train message again after a transient error (secure
+    aggregation: never, a message must not be answered twice)."""
+    report: RoundReport
+
+    def aggregate_stream(self, server_round: int, replies: Iterable[Message]
+                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """What fedagg's round loop calls with the replies as they arrive (a generator).
+
+        The same aggregate as ``aggregate_train``; a strategy with an engine of its own
+        (fedagg's FedAvg) folds the replies straight into it here, without what Flower's
+        ``aggregate_train`` does around it.
+        """
+        return self.aggregate_train(server_round, replies)
+
+
+class ReplyGate:
+    """The one place that decides whether a reply counts (every loop of fedagg uses it).
+
+    It knows the messages in flight (message id -> the node it was sent to) and admits a reply
+    only once, only to a message it knows, only from the node the message was addressed to; a
+    replayed, foreign or misdirected reply is refused with the reason.
+    """
+
+    def __init__(self) -> None:
+        self.pending: dict[str, int] = {}
+        self.answered: set[str] = set()
+
+    def sent(self, message_id: str, node: int) -> None:
+        """Expect one reply to ``message_id`` from ``node``."""
+        self.pending[message_id] = node
+
+    def forget(self, message_id: str) -> None:
+        """Stop expecting a reply to ``message_id`` (given up on)."""
+        self.pending.pop(message_id, None)
+
+    def admit(self, reply: Message) -> str:
+        """'' when ``reply`` counts (it is then no longer pending), else why not."""
+        rid = reply.metadata.reply_to_message_id
+        node = reply.metadata.src_node_id
+        if rid in self.answered:
+            return f"node {node}: duplicate reply to message {rid!r}"
+        if rid not in self.pending:
+            return f"node {node}: reply to an unknown or earlier message {rid!r} (stale or foreign)"
+        if self.pending[rid] != node:
+            return f"node {node}: replied to a message addressed to node {self.pending[rid]}"
+        del self.pending[rid]
+        self.answered.add(rid)
+        return ""
 
 
 def _is_permanent(reason: str) -> bool:
@@ -130,60 +142,39 @@ def _is_permanent(reason: str) -> bool:
 _PERMANENT = ("ConfigError", "DataError", "ValidationError", "ProtocolError")
 
 
-def filter_replies(
-    sent: list[Message], replies: Iterable[Message]
-) -> tuple[list[Message], dict[str, str]]:
-    """Keep replies to the messages sent in this exchange; stale or foreign ones are refused.
-
-    Flower only returns replies to the message ids we pull, so a reply that arrives after its
-    round's deadline is never handed to a later round; this check makes that a guarantee of
-    fedagg's own (replayed, duplicated or foreign replies are refused with a reason).
-    """
-    expected = {
-        m.metadata.message_id: m.metadata.dst_node_id for m in sent if m.metadata.message_id
-    }
+def filter_replies(sent: list[Message], replies: Iterable[Message]
+                   ) -> tuple[list[Message], dict[str, str]]:
+    """The replies of ``replies`` that count for the messages ``sent`` (:class:`ReplyGate`);
+    refused ones named (node id -> reason) and logged."""
+    gate = ReplyGate()
+    for m in sent:
+        if m.metadata.message_id:
+            gate.sent(m.metadata.message_id, m.metadata.dst_node_id)
     kept: list[Message] = []
     refused: dict[str, str] = {}
-    seen: set[str] = set()
     for r in replies:
-        rid = r.metadata.reply_to_message_id
-        node = str(r.metadata.src_node_id)
-        if expected and rid not in expected:
-            refused[node] = (
-                f"node {node}: reply to an unknown or earlier message {rid!r} (stale or foreign)"
-            )
-        elif rid in seen:
-            refused[node] = f"node {node}: duplicate reply to message {rid!r}"
-        elif expected and expected[rid] != r.metadata.src_node_id:
-            refused[node] = f"node {node}: replied to a message addressed to node {expected[rid]}"
+        why = gate.admit(r) if gate.pending or gate.answered else ""
+        if why:
+            refused[str(r.metadata.src_node_id)] = why
+            _log.warning("refused reply: %s", why)
         else:
-            seen.add(rid)
             kept.append(r)
-    for why in refused.values():
-        _log.warning("refused reply: %s", why)
     return kept, refused
 
 
-def exchange(
-    grid: Grid,
-    messages: list[Message],
-    timeout: float,
-    *,
-    retries: int = 0,
-    rebuild: Callable[[list[int]], list[Message]] | None = None,
-) -> tuple[list[Message], dict[str, str], int, int]:
-    """Send ``messages``, collect replies until the deadline, retry transient errors.
+def exchange(grid: Grid, messages: list[Message], timeout: float, *,
+             report: RoundReport | None = None) -> list[Message]:
+    """Send ``messages`` and collect the replies that count until the deadline (a list).
 
-    Returns ``(replies, refused, bytes_down, attempts)``: :func:`stream_exchange` collected
-    into a list (for exchanges whose replies are small: secure aggregation's key setup and
-    unmasking, evaluation). A node whose reply is an error that looks transient is sent its
-    message again (rebuilt by ``rebuild``) while time and ``retries`` allow; permanent errors
-    (configuration, data, protocol) are not retried.
+    :func:`stream_exchange` collected into a list, for exchanges whose replies are small
+    (secure aggregation's key setup and unmasking, evaluation); what it saw (bytes, refused
+    replies, silent nodes, one more exchange) goes into ``report``.
     """
     log = ExchangeLog()
-    replies = list(stream_exchange(grid, messages, timeout, retries=retries, rebuild=rebuild,
-                                   log=log))
-    return replies, dict(log.refused), log.bytes_down, log.attempts
+    replies = list(stream_exchange(grid, messages, timeout, log=log))
+    if report is not None:
+        log.into(report)
+    return replies
 
 
 @dataclass
@@ -204,34 +195,42 @@ class ExchangeLog:
     seconds: float = 0.0
     """Seconds spent sending and waiting for replies (not in the consumer)."""
 
+    def into(self, report: RoundReport) -> None:
+        """Add what the exchange saw to ``report`` (one more exchange)."""
+        report.bytes_down += self.bytes_down
+        report.bytes_up += self.bytes_up
+        report.exchanges += max(self.attempts, 1)
+        for who, why in self.refused.items():
+            report.refused.setdefault(who, why)
+        for who, why in self.errors.items():
+            report.errors.setdefault(who, why)
+
 
 def stream_exchange(grid: Grid, messages: list[Message], timeout: float, *, retries: int = 0,
                     rebuild: Callable[[list[int]], list[Message]] | None = None,
                     log: ExchangeLog | None = None, poll: float = 0.05) -> Iterator[Message]:
     """Send ``messages`` and yield each reply as it arrives, until all came or the deadline.
 
-    The streaming form of :func:`exchange` (``Grid.push_messages`` then ``pull_messages`` of
-    the pending ids, as ``send_and_receive`` does, but handing each reply over at once and
-    keeping none): the same filtering (a reply to an unknown or earlier message, a second
-    reply to a message, a reply from another node than the one addressed are refused, named
-    in ``log.refused``) and the same retries (a transient error reply is not handed over
-    while ``retries`` and time allow: its node is sent its message again, rebuilt by
-    ``rebuild``; permanent errors are handed over). Nodes still silent at the deadline are
-    named in ``log.errors``.
+    ``Grid.push_messages`` then ``pull_messages`` of the pending ids, as ``send_and_receive``
+    does, but handing each reply over at once and keeping none. Whether a reply counts is the
+    :class:`ReplyGate`'s decision (a reply to an unknown or earlier message, a second reply, a
+    reply from another node than the one addressed are refused, named in ``log.refused``). A
+    transient error reply is not handed over while ``retries`` and time allow: its node is
+    sent its message again, rebuilt by ``rebuild``; permanent errors are handed over. Nodes
+    still silent at the deadline are named in ``log.errors``.
     """
     log = log if log is not None else ExchangeLog()
     t0 = time.perf_counter()
     deadline = time.monotonic() + timeout
     log.bytes_down += messages_nbytes(messages)
-    pending: dict[str, int] = {}  # message id -> node it was sent to
+    gate = ReplyGate()
     tries: dict[int, int] = {}
-    answered: set[str] = set()
 
     def push(batch: list[Message]) -> None:
         ids = [str(i) for i in grid.push_messages(batch)]
         for i, m in enumerate(batch):  # the Grid set each message's id (replies refer to it)
             mid = m.metadata.message_id or (ids[i] if i < len(ids) else f"unsent-{i}")
-            pending[str(mid)] = m.metadata.dst_node_id
+            gate.sent(str(mid), m.metadata.dst_node_id)
             tries[m.metadata.dst_node_id] = tries.get(m.metadata.dst_node_id, 0) + 1
         log.attempts = max(tries.values(), default=0)
 
@@ -241,8 +240,8 @@ def stream_exchange(grid: Grid, messages: list[Message], timeout: float, *, retr
     # pull that finds nothing then means the remaining nodes never answer
     ready = bool(getattr(getattr(type(grid), "push_messages", None), "replies_ready", False))
     try:
-        while pending:
-            arrived = list(grid.pull_messages(list(pending)))
+        while gate.pending:
+            arrived = list(grid.pull_messages(list(gate.pending)))
             if not arrived:
                 if ready or time.monotonic() >= deadline:
                     break
@@ -251,53 +250,38 @@ def stream_exchange(grid: Grid, messages: list[Message], timeout: float, *, retr
             arrived.reverse()
             while arrived:
                 r = arrived.pop()  # the list never holds a reply that was handed over
-                rid = r.metadata.reply_to_message_id
+                why = gate.admit(r)
                 node = r.metadata.src_node_id
-                if rid in answered:
-                    log.refused[str(node)] = f"node {node}: duplicate reply to message {rid!r}"
-                elif rid not in pending:
-                    log.refused[str(node)] = (f"node {node}: reply to an unknown or earlier "
-                                              f"message {rid!r} (stale or foreign)")
-                elif pending[rid] != node:
-                    log.refused[str(node)] = (f"node {node}: replied to a message addressed "
-                                              f"to node {pending[rid]}")
-                else:
-                    del pending[rid]
-                    answered.add(rid)
-                    if (r.has_error() and not _is_permanent(r.error.reason or "")
-                            and rebuild is not None and tries.get(node, 1) <= retries
-                            and time.monotonic() < deadline):
-                        _log.info("retrying site %d after a transient error (attempt %d)", node,
-                                  tries.get(node, 1) + 1)
-                        again = rebuild([node])
-                        log.bytes_down += messages_nbytes(again)
-                        push(again)
-                        continue
-                    log.replies += 1
-                    if r.has_error():
-                        log.errors[str(node)] = r.error.reason or "error reply"
-                    else:
-                        log.ok += 1
-                        log.bytes_up += message_nbytes(r)
-                    log.seconds += time.perf_counter() - t0
-                    yield r
-                    del r
-                    gc.collect(1)  # Flower's self-referencing record views of a used reply
-                    t0 = time.perf_counter()
+                if why:
+                    log.refused[str(node)] = why
+                    _log.warning("refused reply: %s", why)
                     continue
-                _log.warning("refused reply: %s", log.refused[str(node)])
-            if pending and time.monotonic() >= deadline:
+                if (r.has_error() and not _is_permanent(r.error.reason or "")
+                        and rebuild is not None and tries.get(node, 1) <= retries
+                        and time.monotonic() < deadline):
+                    _log.info("retrying site %d after a transient error (attempt %d)", node,
+                              tries.get(node, 1) + 1)
+                    again = rebuild([node])
+                    log.bytes_down += messages_nbytes(again)
+                    push(again)
+                    continue
+                log.replies += 1
+                if r.has_error():
+                    log.errors[str(node)] = r.error.reason or "error reply"
+                else:
+                    log.ok += 1
+                    log.bytes_up += message_nbytes(r)
+                log.seconds += time.perf_counter() - t0
+                yield r
+                del r
+                gc.collect(1)  # Flower's self-referencing record views of a used reply
+                t0 = time.perf_counter()
+            if gate.pending and time.monotonic() >= deadline:
                 break
-        for node in pending.values():
+        for node in gate.pending.values():
             log.errors.setdefault(str(node), f"no reply within {timeout:.0f} s")
     finally:
         log.seconds += time.perf_counter() - t0
-
-
-def round_log(strategy: Strategy) -> RoundLog | None:
-    """The wrapper's :class:`RoundLog` of the round just run, if it keeps one."""
-    log = getattr(strategy, "round_log", None)
-    return log if isinstance(log, RoundLog) else None
 
 
 def run_train_round(
@@ -314,9 +298,10 @@ def run_train_round(
 
     ``aggregate_train`` gets the replies as they arrive (:func:`stream_exchange`); its
     ``"exchange"`` seconds are the time spent waiting for them, ``"aggregate"`` the rest.
-    Replies are filtered (stale / foreign / duplicate replies refused); transient error replies
-    are retried within the deadline when ``retries > 0`` and the strategy allows it
-    (``allows_retries``; secure aggregation does not: a message must not be answered twice).
+    Replies are filtered by the :class:`ReplyGate`; transient error replies are retried within
+    the deadline when ``retries > 0`` and the strategy allows it (``allows_retries``; secure
+    aggregation does not: a message must not be answered twice). The round's report is the
+    exchange's merged with the strategy's own (:attr:`FedaggStrategy.report`).
     """
     t0 = time.perf_counter()
     messages = list(strategy.configure_train(server_round, arrays, config, grid))
@@ -327,38 +312,28 @@ def run_train_round(
                         message_type=by_node[n].metadata.message_type) for n in nodes]
 
     t1 = time.perf_counter()
-    allowed = bool(getattr(strategy, "allows_retries", True))
+    allowed = not (isinstance(strategy, FedaggStrategy) and not strategy.allows_retries)
     ex = ExchangeLog()
     replies = stream_exchange(grid, messages, timeout, retries=retries if allowed else 0,
                               rebuild=rebuild, log=ex)
+    aggregate = (strategy.aggregate_stream if isinstance(strategy, FedaggStrategy)
+                 else strategy.aggregate_train)
     try:  # the strategy takes the replies as they arrive (a generator, never listed here)
-        new_arrays, metrics = strategy.aggregate_train(server_round, replies)
+        new_arrays, metrics = aggregate(server_round, replies)
     finally:  # what it did not take (it stopped early, or raised) is received and dropped,
         for _ in replies:  # so no reply of this round is left behind on the Grid
             pass
     t3 = time.perf_counter()
-    rejected = {**ex.refused, **dict(getattr(strategy, "last_rejected", {}) or {})}
-    ok = ex.ok
-    seconds = {"configure": t1 - t0, "exchange": ex.seconds,
-               "aggregate": max(t3 - t1 - ex.seconds, 0.0)}
-    result = RoundResult(
-        arrays=new_arrays, metrics=metrics, bytes_down=ex.bytes_down, bytes_up=ex.bytes_up,
-        exchanges=max(ex.attempts, 1), sampled=len(messages), replies=ok,
-        failures=len(messages) - ok, rejected=rejected, seconds=seconds, errors=dict(ex.errors))
-    log = round_log(strategy)
-    if log is not None:
-        result.bytes_down += log.bytes_down
-        result.bytes_up += log.bytes_up
-        result.exchanges += log.exchanges
-        for who, why in log.rejected.items():
-            result.rejected.setdefault(who, why)
-        for failed_node, reason in log.failed.items():
-            result.errors.setdefault(str(failed_node), reason)
-        for phase, sec in log.seconds.items():
-            result.seconds[phase] = result.seconds.get(phase, 0.0) + sec
-        result.failures = max(result.failures, len(log.failed))
-        result.aborted = log.aborted
-    return result
+    report = RoundReport(sampled=len(messages))
+    if isinstance(strategy, FedaggStrategy):
+        report.merge(strategy.report)
+    ex.into(report)
+    report.replies = ex.ok
+    report.sampled = max(report.sampled, len(messages))
+    report.add_time("configure", t1 - t0)
+    report.add_time("exchange", ex.seconds)
+    report.add_time("aggregate", max(t3 - t1 - ex.seconds, 0.0))
+    return RoundResult(arrays=new_arrays, metrics=metrics, report=report)
 
 
 def run_evaluate_round(strategy: Strategy, grid: Grid, server_round: int, arrays: ArrayRecord,
@@ -367,8 +342,7 @@ def run_evaluate_round(strategy: Strategy, grid: Grid, server_round: int, arrays
     messages = list(strategy.configure_evaluate(server_round, arrays, config, grid))
     if not messages:
         return None
-    replies, _, _, _ = exchange(grid, messages, timeout)
-    return strategy.aggregate_evaluate(server_round, replies)
+    return strategy.aggregate_evaluate(server_round, exchange(grid, messages, timeout))
 
 
 def options_dict(model: BaseModel | None) -> dict[str, Any]:

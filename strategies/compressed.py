@@ -29,7 +29,6 @@ site's vote table reveals its top-k indices; :class:`fedagg.update.UploadSpec`).
 
 from __future__ import annotations
 
-import gc
 import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -52,8 +51,9 @@ from fedagg.update import (
     encode_down,
 )
 from fedagg.update.decode import decode_sparse
-from strategies.checks import check_metadata, validate_reply
-from strategies.fedavg import FedAvg
+from strategies.codec import PlainCodec, check_metadata
+from strategies.fedavg import FedAvg, gc_young
+from strategies.update import Update, node_of
 from strategies.wire import (
     INSTRUCTION_KEY,
     PREVIOUS_KEY,
@@ -64,16 +64,119 @@ from strategies.wire import (
     record_to_arrays,
 )
 from strategies.wrapper import (
+    NO_GUARDS,
     StrategyWrapper,
     inner_aggregate,
     is_linear,
     model_record_key,
+    record_keys,
     streams_updates,
 )
 
 __all__ = ["Compressed"]
 
 _log = logging.getLogger(__name__)
+
+
+class CompressedCodec:
+    """The compressed wire form of the sites' updates, server side: one reply -> one delta.
+
+    Holds what decoding needs and what the sites compute alike: the spec, the round's public
+    support history (:class:`fedagg.update.SupportHistory`, recomputed from public data), the
+    model as sent (deltas are taken against it) and FetchSGD's server state for ``sketch``.
+
+    Parameters
+    ----------
+    spec : UploadSpec
+        The parsed ``compression.up`` / ``support`` / ``down``.
+    seed : int
+        The public seed of the supports.
+    max_norm, max_weight : float, optional
+        Per-update bounds (delta norm, weight).
+    """
+
+    def __init__(self, spec: UploadSpec, seed: int, *, max_norm: float | None = None,
+                 max_weight: float | None = None) -> None:
+        self.spec = spec
+        self.seed = seed
+        self.max_norm = max_norm
+        self.max_weight = max_weight
+        self.history = SupportHistory(spec, seed)
+        self.decoder = RoundDecoder(self.history)  # FetchSGD's server state (sketch)
+        self.keys: list[str] = []
+        self.weight_key = "num-examples"
+
+    def decode(self, reply: Message, *, sparse: bool = False) -> Update:
+        """Decode and check one reply of the current round: its delta as an :class:`Update`.
+
+        With ``sparse`` a sparse tensor comes back as :class:`fedagg.accumulate.Sparse`
+        (its positions and values; no dense copy), for an inner strategy that folds updates
+        as they come. A ``sketch`` reply's one tensor is the site's count sketch.
+
+        Raises
+        ------
+        UpdateRejected
+            Error reply, wrong records, undecodable payload (the codec's reason), shape
+            mismatch, non-finite values or a delta norm above ``max_norm``.
+        """
+        sent = self.history.sent
+        assert sent is not None, "decode before the round's model was sent"
+        node = node_of(reply)
+        site = f"node {node}" if node is not None else "a reply"
+        if self.spec.dense:  # downward-only compression: dense replies
+            plain = PlainCodec(keys=self.keys, reference=sent, weight_key=self.weight_key,
+                               server_round=self.history.round, max_norm=self.max_norm,
+                               max_weight=self.max_weight).decode(reply)
+            delta = [np.subtract(a, r, dtype=np.float32)
+                     for a, r in zip(plain.tensors, sent, strict=True)]
+            return plain.replace(tensors=delta, kind="delta")
+        if reply.has_error():
+            raise UpdateRejected(f"{site} replied with an error: {reply.error.reason}")
+        content = reply.content
+        arecs = content.array_records
+        if list(arecs.keys()) != [REPLY_KEY]:
+            raise UpdateRejected(explain(f"{site}.array_records", sorted(arecs.keys()),
+                                         f"must hold only the compressed update {REPLY_KEY!r}",
+                                         "add clients.fedagg_mod to the ClientApp's mods (or "
+                                         "use clients.make_client_app)"))
+        mrecs = list(content.metric_records.values())
+        if len(mrecs) != 1:
+            raise UpdateRejected(explain(f"{site}.metric_records", len(mrecs),
+                                         f"must be one MetricRecord with {self.weight_key!r}",
+                                         "reply with the metrics in one MetricRecord"))
+        metrics = dict(mrecs[0])
+        weight = check_metadata(site, metrics, weight_key=self.weight_key,
+                                server_round=self.history.round, max_weight=self.max_weight)
+        try:
+            data = payload_bytes(arecs[REPLY_KEY])
+        except CodecError as exc:
+            raise UpdateRejected(f"{site}: undecodable payload: {exc}") from None
+        if self.spec.sketch:
+            tensors: list[Any] = [self._sketch_table(data, site)]
+        else:
+            decode = decode_sparse if sparse else decode_delta
+            tensors = list(decode(data, shapes=[tuple(x.shape) for x in sent],
+                                  support=self.history.support, site=site,
+                                  max_norm=self.max_norm))
+        return Update(tensors, weight, metrics, node, "delta", round=self.history.round,
+                      reply=reply)
+
+    def _sketch_table(self, data: bytes, site: str) -> np.ndarray:
+        """One site's count sketch (``sketch`` specs), checked: shape and finite values."""
+        assert self.history.sent is not None
+        dim = sum(int(x.size) for x in self.history.sent)
+        shape = self.decoder.sketch_shape(dim)
+        try:
+            payload = codec.decode(data, max_elements=max(int(np.prod(shape)), 1))
+        except CodecError as exc:
+            raise UpdateRejected(f"{site}: undecodable payload: {exc}") from None
+        if [tuple(x) for x in payload.shapes] != [shape]:
+            raise UpdateRejected(explain(f"{site}.payload.shapes", payload.shapes[:4],
+                                         f"must be the run's one sketch table {shape}",
+                                         "site and server must use the same spec"))
+        table = payload.to_dense()
+        check_delta(table, site=site, max_norm=None)
+        return table[0]
 
 
 class Compressed(StrategyWrapper):
@@ -97,9 +200,9 @@ class Compressed(StrategyWrapper):
     max_update_norm : float, optional
         Reject site deltas with a larger L2 norm (default: the inner strategy's, if any).
     guards : UpdateGuards, optional
-        The round-level guards (weight bound and cap, norm-bomb guard, model change) for the
-        decoded deltas; default: the inner strategy's ``guards`` (fedagg's FedAvg applies them
-        itself), else :class:`fedagg.aggregate.UpdateGuards`'s defaults.
+        Round guards applied to the decoded deltas before an inner strategy that takes
+        replies sees them (default: none, so Flower's strategies get the replies Flower would
+        give them; fedagg's FedAvg applies its own). ``fedagg simulate`` passes the run's.
     state_namespace : str
         Suffix of the sites' ``Context.state`` keys, so that several strategies can drive the
         same sites in one run without sharing residuals.
@@ -110,32 +213,63 @@ class Compressed(StrategyWrapper):
         A bad spec, support or downward codec (named, with the fix), at construction.
     """
 
+    codec: CompressedCodec
+    guards: UpdateGuards
+    _plaintext_error: str
+    state_namespace: str
+    _current: tuple[list[str], list[np.ndarray]] | None
+    _encoded: list[int]
+
     def __init__(self, inner: Strategy | None = None, *, up: str = "none", down: str = "none",
                  support: str = "reveal-indices", seed: int | None = None,
                  max_update_norm: float | None = None, state_namespace: str = "",
                  guards: UpdateGuards | None = None) -> None:
         super().__init__(inner if inner is not None else FedAvg())
-        self.spec = UploadSpec.parse(up, support=support, down=down)
-        self.seed = int(seed if seed is not None else getattr(self.inner, "seed", 0))
-        self.max_update_norm = (max_update_norm if max_update_norm is not None
-                                else getattr(self.inner, "max_update_norm", None))
-        inner_guards = getattr(self.inner, "guards", None)
-        self.guards = (guards if guards is not None else inner_guards
-                       if isinstance(inner_guards, UpdateGuards) else UpdateGuards())
+        try:
+            spec = UploadSpec.parse(up, support=support, down=down)
+            self._plaintext_error = ""
+        except ConfigError as exc:  # a secure-only spec (votes): only inside SecureAggregation
+            try:
+                spec = UploadSpec.parse(up, support=support, down=down, secure=True)
+            except ConfigError:
+                raise exc from None
+            self._plaintext_error = str(exc)
+        inner_seed = self.inner.seed if isinstance(self.inner, FedAvg) else 0
+        inner_norm = self.inner.max_update_norm if isinstance(self.inner, FedAvg) else None
+        self.codec = CompressedCodec(
+            spec, int(seed if seed is not None else inner_seed),
+            max_norm=max_update_norm if max_update_norm is not None else inner_norm,
+            max_weight=(guards.max_weight if guards is not None else
+                        self.inner.guards.max_weight if isinstance(self.inner, FedAvg) else None))
+        self.codec.weight_key = record_keys(self.inner)[0]
+        self.guards = guards if guards is not None else NO_GUARDS
         self.state_namespace = state_namespace
-        self.history = SupportHistory(self.spec, self.seed)
-        self.decoder = RoundDecoder(self.history)  # FetchSGD's server state (sketch)
-        if self.spec.sketch:
+        if spec.sketch:
             ok, why = is_linear(self.inner)
             if not ok:
                 raise ConfigError(explain(
                     "Compressed(inner)", type(self.inner).__name__,
-                    f"with compression.up = {self.spec.up!r} the server recovers one update "
+                    f"with compression.up = {spec.up!r} the server recovers one update "
                     f"from the sum of the sites' sketches (FetchSGD); {why}",
                     "wrap a linear strategy (FedAvg, FedAvgM, FedProx, FedAdam, ...) or use "
                     "a sparsifier that sends per-site updates"))
-        self._current: tuple[list[str], list[np.ndarray]] | None = None
-        self._encoded: list[int] = []
+        self._current = None
+        self._encoded = []
+
+    @property
+    def spec(self) -> UploadSpec:
+        """The upload spec the sites are told to follow."""
+        return self.codec.spec
+
+    @property
+    def history(self) -> SupportHistory:
+        """The public round history the supports come from."""
+        return self.codec.history
+
+    @property
+    def seed(self) -> int:
+        """The public seed of the supports."""
+        return self.codec.seed
 
     def summary(self) -> None:
         """Log the spec, then the inner strategy's summary."""
@@ -154,12 +288,22 @@ class Compressed(StrategyWrapper):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        """Let ``inner`` sample and configure; send the (encoded) model and the instruction."""
+        """Let ``inner`` sample and configure; send the (encoded) model and the instruction.
+
+        Raises
+        ------
+        ConfigError
+            The spec may only travel masked (votes): wrap this in SecureAggregation.
+        """
+        if self._plaintext_error:
+            raise ConfigError(self._plaintext_error)
         self._new_round()
         messages = list(self.inner.configure_train(server_round, arrays, config, grid))
+        self.report.sampled = len(messages)
         keys, exact = record_to_arrays(arrays)
         send, self._encoded = encode_down(exact, self.spec.down)
         self._current = (keys, exact)
+        self.codec.keys = keys
         self.history.advance(server_round, decode_down(send, self.spec.down, self._encoded))
         model = arrays_to_record(send, keys) if self._encoded else None
         previous = None
@@ -167,12 +311,12 @@ class Compressed(StrategyWrapper):
             prev, _ = encode_down(self.history.previous, self.spec.down)
             previous = arrays_to_record(prev, keys)
         instr = self.instruction(server_round).to_record()
+        array_key = record_keys(self.inner)[1]
         out = []
         for m in messages:
             content = RecordDict(dict(m.content.items()))
             if model is not None:
-                content[model_record_key(content, getattr(self.inner, "arrayrecord_key",
-                                                          "arrays"))] = model
+                content[model_record_key(content, array_key)] = model
             content[INSTRUCTION_KEY] = instr
             if previous is not None and m.metadata.dst_node_id not in self.history.fresh:
                 content[PREVIOUS_KEY] = previous  # the site did not take part last round
@@ -182,109 +326,36 @@ class Compressed(StrategyWrapper):
         return out
 
     # -- upward --------------------------------------------------------------------------------
-    def decode_reply(self, reply: Message, *, sparse: bool = False
-                     ) -> tuple[list[np.ndarray], float, dict[str, Any]]:
-        """Decode and check one reply; return ``(delta, weight, metrics)``.
-
-        With ``sparse`` a sparse tensor comes back as :class:`fedagg.accumulate.Sparse`
-        (its positions and values; no dense copy), for an inner strategy that folds updates
-        as they come (:func:`strategies.wrapper.streams_updates`).
-
-        Raises
-        ------
-        UpdateRejected
-            Error reply, wrong records, undecodable payload (the codec's reason), shape
-            mismatch, non-finite values or a delta norm above ``max_update_norm``.
-        """
-        assert self._current is not None and self.history.sent is not None
-        keys, _ = self._current
-        sent = self.history.sent
-        site = f"node {reply.metadata.src_node_id}"
-        weight_key = str(getattr(self.inner, "weighted_by_key", "num-examples"))
-        if self.spec.dense:  # downward-only compression: dense replies
-            arrays, weight, mrec = validate_reply(reply, keys, sent, weight_key=weight_key,
-                                                  max_norm=self.max_update_norm,
-                                                  server_round=self.history.round,
-                                                  max_weight=self.guards.max_weight)
-            dense: list[np.ndarray] = [np.subtract(a, r, dtype=np.float32)
-                                       for a, r in zip(arrays, sent, strict=True)]
-            return dense, weight, dict(mrec)
-        if reply.has_error():
-            raise UpdateRejected(f"{site} replied with an error: {reply.error.reason}")
-        content = reply.content
-        arecs = content.array_records
-        if list(arecs.keys()) != [REPLY_KEY]:
-            raise UpdateRejected(explain(f"{site}.array_records", sorted(arecs.keys()),
-                                         f"must hold only the compressed update {REPLY_KEY!r}",
-                                         "add clients.fedagg_mod to the ClientApp's mods (or "
-                                         "use clients.make_client_app)"))
-        mrecs = list(content.metric_records.values())
-        if len(mrecs) != 1:
-            raise UpdateRejected(explain(f"{site}.metric_records", len(mrecs),
-                                         f"must be one MetricRecord with {weight_key!r}",
-                                         "reply with the metrics in one MetricRecord"))
-        metrics = dict(mrecs[0])
-        raw = check_metadata(site, metrics, weight_key=weight_key,
-                             server_round=self.history.round, max_weight=self.guards.max_weight)
-        try:
-            data = payload_bytes(arecs[REPLY_KEY])
-        except CodecError as exc:
-            raise UpdateRejected(f"{site}: undecodable payload: {exc}") from None
-        if self.spec.sketch:
-            return [self._sketch_table(data, site)], float(raw), metrics
-        decode = decode_sparse if sparse else decode_delta
-        delta = decode(data, shapes=[tuple(s.shape) for s in sent],
-                       support=self.history.support, site=site, max_norm=self.max_update_norm)
-        return list(delta), float(raw), metrics
-
-    def _sketch_table(self, data: bytes, site: str) -> np.ndarray:
-        """One site's count sketch (``sketch`` specs), checked: shape and finite values."""
-        assert self.history.sent is not None
-        dim = sum(int(s.size) for s in self.history.sent)
-        shape = self.decoder.sketch_shape(dim)
-        try:
-            payload = codec.decode(data, max_elements=max(int(np.prod(shape)), 1))
-        except CodecError as exc:
-            raise UpdateRejected(f"{site}: undecodable payload: {exc}") from None
-        if [tuple(s) for s in payload.shapes] != [shape]:
-            raise UpdateRejected(explain(f"{site}.payload.shapes", payload.shapes[:4],
-                                         f"must be the run's one sketch table {shape}",
-                                         "site and server must use the same spec"))
-        table = payload.to_dense()
-        check_delta(table, site=site, max_norm=None)
-        return table[0]
-
-    def _aggregate_sketches(self, server_round: int,
-                            good: list[tuple[list[np.ndarray], float, dict[str, Any], Message]]
+    def _aggregate_sketches(self, server_round: int, good: list[Update]
                             ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """FetchSGD: the weighted mean table -> the server's step -> one delta for ``inner``."""
         assert self._current is not None
         keys, current = self._current
         if not good:
             return None, None
-        total = float(sum(w for _, w, _, _ in good))
-        mean = sum(np.asarray(t[0], np.float64) * (w / total) for t, w, _, _ in good)
+        total = float(sum(u.weight for u in good))
+        mean = sum(np.asarray(u.tensors[0], np.float64) * (u.weight / total) for u in good)
         dim = sum(int(np.asarray(c).size) for c in current)
+        decoder = self.codec.decoder
         try:
-            flat = self.decoder.sketch_delta(np.asarray(mean), dim)
+            flat = decoder.sketch_delta(np.asarray(mean), dim)
             delta, pos = [], 0
             for c in current:
                 n = int(np.asarray(c).size)
                 delta.append(flat[pos:pos + n].reshape(np.shape(c)).astype(np.float32))
                 pos += n
-            check_delta(delta, site="FetchSGD step", max_norm=self.max_update_norm)
+            check_delta(delta, site="FetchSGD step", max_norm=self.codec.max_norm)
         except (ConfigError, UpdateRejected) as exc:
-            self.decoder.reject()
-            self.last_rejected["round"] = str(exc)
-            _log.warning("round %d: sketch aggregate refused: %s", server_round, exc)
+            decoder.reject()
+            self.report.refuse("round", str(exc))
             return None, None
-        new, metrics = inner_aggregate(self.inner, server_round,
-                                       [(delta, total, {}, good[0][3])], keys, current,
-                                       sites=len(good))
+        one = Update(delta, total, {}, None, "delta", round=server_round, reply=good[0].reply)
+        new, metrics = inner_aggregate(self.inner, server_round, [one], keys, current,
+                                       self.report, sites=len(good))
         if new is None:
-            self.decoder.reject()
+            decoder.reject()
         else:
-            self.decoder.accept()
+            decoder.accept()
         return new, metrics
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
@@ -300,32 +371,37 @@ class Compressed(StrategyWrapper):
             raise RuntimeError("aggregate_train called before configure_train")
         keys, current = self._current
         stream = not self.spec.sketch and streams_updates(self.inner)
-        good = self._decoded(server_round, replies, sparse=stream)
+        good = self.decoded(server_round, replies, sparse=stream)
         if self.spec.sketch:
             return self._aggregate_sketches(server_round, list(good))
-        return inner_aggregate(self.inner, server_round, good, keys, current,
-                               guards=self.guards, rejected=self.last_rejected)
+        return inner_aggregate(self.inner, server_round, good, keys, current, self.report,
+                               guards=self.guards)
 
-    def _decoded(self, server_round: int, replies: Iterable[Message], *, sparse: bool
-                 ) -> Iterator[tuple[list[np.ndarray], float, dict[str, Any], Message]]:
-        """The checked updates of ``replies``, one at a time (refusals recorded)."""
+    def decoded(self, server_round: int, replies: Iterable[Message], *, sparse: bool = False
+                ) -> Iterator[Update]:
+        """The checked updates of ``replies``, one at a time (refusals in :attr:`report`)."""
         for reply in replies:
-            if not reply.has_error():
-                self.history.replied([reply.metadata.src_node_id])
-            try:
-                delta, weight, metrics = self.decode_reply(reply, sparse=sparse)
-            except UpdateRejected as exc:
-                self.last_rejected[str(reply.metadata.src_node_id)] = str(exc)
-                _log.warning("round %d: rejected update: %s", server_round, exc)
+            node = node_of(reply)
+            if reply.has_error():
+                self.report.errors[str(node)] = reply.error.reason or "error reply"
                 continue
-            yield delta, weight, metrics, reply
-            del delta, reply
-            gc.collect(1)  # Flower's self-referencing record views (strategies.streaming)
+            self.report.replies += 1
+            self.history.replied([node] if node is not None else [])
+            try:
+                update = self.codec.decode(reply, sparse=sparse)
+            except UpdateRejected as exc:
+                self.report.refuse(str(node), f"round {server_round}: {exc}")
+                continue
+            finally:
+                del reply
+            yield update
+            del update
+            gc_young()
 
     def state_dict(self) -> dict[str, Any]:
         """The inner strategy's state, the support history and FetchSGD's tables."""
         return {**super().state_dict(), "history": self.history.state_dict(),
-                "sketch": self.decoder.state_dict()}
+                "sketch": self.codec.decoder.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
@@ -333,4 +409,4 @@ class Compressed(StrategyWrapper):
         if "history" in state:
             self.history.load_state_dict(state["history"])
         if "sketch" in state:
-            self.decoder.load_state_dict(state["sketch"])
+            self.codec.decoder.load_state_dict(state["sketch"])

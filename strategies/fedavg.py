@@ -1,49 +1,51 @@
-"""FedAvg weighted by examples, with checks before aggregation and an optional server optimizer.
+"""FedAvg weighted by examples: Flower's FedAvg, with fedagg's exact streamed engine behind it.
 
 McMahan et al. 2017, "Communication-Efficient Learning of Deep Networks from Decentralized
 Data" (Algorithm 1); server optimizers from Reddi et al. 2021, "Adaptive Federated Optimization".
 
-A drop-in for Flower's :class:`flwr.serverapp.strategy.FedAvg`: same constructor defaults
-(``fraction_train = fraction_evaluate = 1.0``, ``min_train_nodes = min_evaluate_nodes =
-min_available_nodes = 2``, ``"num-examples"``, ``"arrays"``, ``"config"``), same messages, and
-the same aggregate (tests/strategies/test_fedavg.py). What it adds, each documented in
-docs/plugins.md:
+A drop-in for Flower's :class:`flwr.serverapp.strategy.FedAvg`: the same constructor (same
+defaults, ``train_metrics_aggr_fn`` / ``evaluate_metrics_aggr_fn`` included), the same messages,
+the same ``aggregate_train`` -- Flower's own method, not a copy, so Flower's privacy accountant
+and anything else that checks for it accepts this class -- and the same result for every
+honest input (within ~1e-10 of each tensor's scale, tests/strategies/test_fedavg_dropin.py).
 
-* every reply is checked on its own (record layout, weight, ``partition-id`` and round echo
-  as finite scalars of the right type and range, shapes, finite values, optional norm bound);
-  a bad reply is excluded with the reason (:attr:`last_rejected`) instead of failing the round;
-* round-level guards (:class:`fedagg.aggregate.UpdateGuards`): weights capped at
-  ``max_weight_ratio`` x the round's median, updates with a delta norm above
-  ``norm_outlier_factor`` x the round's median refused, and the new model committed only when
-  it is finite and within ``max_model_change`` of the old one (the server optimizer's state is
-  rolled back otherwise);
-* a float reply of another precision (float64 for a float32 model) is cast to the model's
-  dtype, as Flower's arithmetic would; ``strict_dtypes=True`` refuses it instead;
-* fewer valid replies than ``min_sites`` leaves the global model unchanged;
-* replies are aggregated as they come (streamed): each is checked, folded into an exact
-  integer accumulator and dropped, so the server holds ~3 models whatever the number of sites,
-  and the result is the same bits for every arrival order (fedagg.accumulate; the whole-round
-  guards correct the few updates they refuse or cap exactly, docs/architecture/
-  server-memory.md); ``shards=S`` splits the accumulator over S Ray actors (same bits);
-* sampling is seeded (``seed`` and the round), so runs are reproducible; like Flower it waits
-  until ``min_available_nodes`` nodes are connected;
-* ``partition-id`` and ``server-round`` are not averaged as metrics; the old metric names
-  ``train-loss`` / ``eval-loss`` / ``eval-acc`` are read as ``train_loss`` / ``eval_loss`` /
-  ``eval_acc`` (aliases kept for one release);
-* the aggregated delta can be applied with FedAvgM / FedAdam (``server_optimizer``).
+Where fedagg's work happens. Flower's ``aggregate_train`` asks ``_check_and_log_replies``
+which replies to average; fedagg answers there:
 
-The per-reply checks and the round-level guards are in :mod:`strategies.checks`, the metrics'
-names and mean in :mod:`strategies.metrics` (names re-exported here).
+* every reply is decoded and checked on its own (:class:`strategies.codec.PlainCodec`:
+  record layout, weight, ``partition-id`` / round echo, shapes, dtypes, finite values,
+  optional norm bound); a bad reply is left out with the reason
+  (:attr:`report`.``refused``), never reaching the model -- with ``isolate_replies=False``
+  (the default, as Flower) replies whose record names differ raise
+  ``InconsistentMessageReplies`` as Flower does, with ``True`` (fedagg's runs) they are
+  refused one by one;
+* configured for the round (``configure_train``), the replies are folded as they come into
+  an exact integer accumulator (:mod:`fedagg.accumulate`: ~3 models of memory whatever the
+  number of sites, the same bits for every arrival order) with the opt-in round guards, the
+  server optimizer applied, and the new model committed only when finite and within
+  ``max_model_change``; Flower's averaging is handed that result as the one reply to average
+  (the mean of one model is the model). Called alone (Flower's tests, a strategy used
+  without ``configure_train``), Flower averages the checked replies itself.
+
+The engine has a second, direct entry: :meth:`aggregate_updates` takes checked
+:class:`~strategies.update.Update` s from any iterable -- fedagg's round loop, the compressed
+and secure wrappers and the asynchronous buffer hand updates over that way, without Flower
+records in between.
+
+Protections that can change an honest result are off by default and named: the weight cap
+(``max_weight_ratio``: weights above that multiple of the round's median are capped; real
+federations mix one large hospital with several small sites), the norm-bomb guard
+(``norm_outlier_factor``), ``max_update_norm``, ``max_weight``, ``max_model_change``.
+``fedagg simulate``'s run config turns the first two on (``[strategy]``, docs/reliability.md).
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import math
 import random
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -55,30 +57,24 @@ from fedagg.accumulate import WeightBuckets, grid_exponents
 from fedagg.aggregate import (
     ServerOptimizer,
     UpdateGuards,
+    cap_weights,
     model_change_problem,
     subtract,
 )
 from fedagg.config import RunConfig
-from fedagg.errors import UpdateRejected
+from fedagg.errors import ConfigError, UpdateRejected, explain
 from strategies.base import FedaggStrategy
-from strategies.checks import (
-    MAX_PARTITION_ID,
-    Update,
-    check_metadata,
-    guard_updates,
-    guards_from_config,
-    partition_of,
-    validate_reply,
-)
-from strategies.metrics import METRIC_ALIASES, NOT_METRICS, _numbers, aggregate_metrics
+from strategies.codec import Consistency, PlainCodec, check_metadata
+from strategies.metrics import site_metrics_mean
 from strategies.streaming import StreamRound, new_accumulator
+from strategies.update import RoundReport, Update, node_of, numbers, partition_of
 from strategies.wire import arrays_to_record, npy_record, record_to_arrays
 
-__all__ = ["MAX_PARTITION_ID", "METRIC_ALIASES", "NOT_METRICS", "FedAvg", "Update",
-           "aggregate_metrics", "check_metadata", "guard_updates", "guards_from_config",
-           "partition_of", "validate_reply"]
+__all__ = ["FedAvg"]
 
 _log = logging.getLogger(__name__)
+
+MetricsFn = Callable[[list[RecordDict], str], MetricRecord]
 
 
 class FedAvg(FedaggStrategy, FlowerFedAvg):
@@ -90,18 +86,28 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
         As in Flower's FedAvg (same defaults).
     weighted_by_key, arrayrecord_key, configrecord_key
         As in Flower's FedAvg.
+    train_metrics_aggr_fn, evaluate_metrics_aggr_fn : callable, optional
+        As in Flower's FedAvg: ``(list[RecordDict], weight key) -> MetricRecord`` over the
+        accepted replies (default Flower's weighted mean, lists included; fedagg's run config
+        passes :func:`strategies.metrics.site_metrics_mean`, which leaves identifiers out).
     min_sites : int
-        Fewer valid replies than this leaves the model unchanged for the round.
+        Fewer accepted updates than this leaves the model unchanged for the round.
     server_optimizer : {"none", "sgd", "momentum", "adam"}
         How the aggregated delta is applied (FedOpt, Reddi et al. 2021).
     server_lr, server_momentum : float
         Server learning rate and momentum / beta1.
     max_update_norm : float, optional
-        Reject site updates whose delta has a larger L2 norm.
-    max_weight, max_weight_ratio, norm_outlier_factor, max_model_change
-        The round-level guards (:class:`fedagg.aggregate.UpdateGuards`; defaults: no absolute
-        weight bound, weights capped at 10 x the round's median, updates above 10 x the
-        median delta norm refused, no bound on the model's change beyond finiteness).
+        Refuse site updates whose delta has a larger L2 norm.
+    max_weight : float, optional
+        Refuse updates with a larger weight.
+    max_weight_ratio, norm_outlier_factor : float
+        The median-relative round guards (:class:`fedagg.aggregate.UpdateGuards`); 0 (the
+        default): off.
+    max_model_change : float, optional
+        Commit a new model only within this L2 distance of the old one.
+    isolate_replies : bool
+        Refuse replies whose record names differ from the others one by one instead of
+        raising Flower's ``InconsistentMessageReplies`` for the round.
     strict_dtypes : bool
         Refuse replies whose float dtype differs from the model's (default: cast them).
     seed : int
@@ -111,25 +117,31 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
         Flower).
     shards : int
         ``0`` / ``1``: aggregate in this process; ``S >= 2``: on S Ray actors, each holding
-        1/S of the accumulator (:class:`server.sharded.ShardedAccumulator`; same bits).
+        1/S of the accumulator (:class:`strategies.sharded.ShardedAccumulator`; same bits).
     stream_retain : int
         Updates kept per criterion (largest norms, largest weights) so that the round guards
         can correct the streamed sum exactly; a round needing more corrections is refused.
     """
 
     aggregates_linearly: ClassVar[bool] = True
+    # Flower's own method (not overridden): it asks _check_and_log_replies what to average.
+    aggregate_train = FlowerFedAvg.aggregate_train
+    aggregate_evaluate = FlowerFedAvg.aggregate_evaluate
 
     def __init__(self, fraction_train: float = 1.0, fraction_evaluate: float = 1.0,
                  min_train_nodes: int = 2, min_evaluate_nodes: int = 2,
                  min_available_nodes: int = 2, weighted_by_key: str = "num-examples",
-                 arrayrecord_key: str = "arrays", configrecord_key: str = "config", *,
+                 arrayrecord_key: str = "arrays", configrecord_key: str = "config",
+                 train_metrics_aggr_fn: MetricsFn | None = None,
+                 evaluate_metrics_aggr_fn: MetricsFn | None = None, *,
                  min_sites: int = 1, server_optimizer: str = "none", server_lr: float = 1.0,
                  server_momentum: float = 0.9, max_update_norm: float | None = None,
                  strict_dtypes: bool = False, seed: int = 0,
                  wait_timeout: float | None = None, max_weight: float | None = None,
-                 max_weight_ratio: float = 10.0, norm_outlier_factor: float = 10.0,
-                 max_model_change: float | None = None, shards: int = 0,
-                 stream_retain: int = 2, **kwargs: Any) -> None:
+                 max_weight_ratio: float = 0.0, norm_outlier_factor: float = 0.0,
+                 max_model_change: float | None = None, isolate_replies: bool = False,
+                 shards: int = 0, stream_retain: int = 2) -> None:
+        self._result: tuple[list[Update], MetricRecord] | None = None
         # Flower logs a warning for a 0 fraction at every construction; fedagg's run config
         # defaults to fraction_evaluate = 0 (centralized evaluation), so set it quietly.
         super().__init__(fraction_train=fraction_train or 1.0,
@@ -137,7 +149,8 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
                          min_train_nodes=min_train_nodes, min_evaluate_nodes=min_evaluate_nodes,
                          min_available_nodes=min_available_nodes, weighted_by_key=weighted_by_key,
                          arrayrecord_key=arrayrecord_key, configrecord_key=configrecord_key,
-                         **kwargs)
+                         train_metrics_aggr_fn=train_metrics_aggr_fn,
+                         evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn)
         self.fraction_train, self.fraction_evaluate = fraction_train, fraction_evaluate
         if fraction_evaluate == 0.0:
             self.min_evaluate_nodes = 0
@@ -148,46 +161,68 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
         self.guards = UpdateGuards(max_weight=max_weight, max_weight_ratio=max_weight_ratio,
                                    norm_outlier_factor=norm_outlier_factor,
                                    max_model_change=max_model_change)
+        self.isolate_replies = isolate_replies
         self.strict_dtypes = strict_dtypes
         self.seed = seed
         self.wait_timeout = wait_timeout
         self.optimizer = ServerOptimizer(server_optimizer, lr=server_lr, beta1=server_momentum)
-        self.last_rejected: dict[str, str] = {}
-        self.last_guarded: dict[str, str] = {}
-        """Refusals of the round-level guards in the last :meth:`aggregate_updates` (node id or
-        ``"server"`` -> reason); wrappers that call it directly report them."""
-        self.last_capped: dict[str, str] = {}
-        self.last_accepted: list[int] = []
-        self.last_site_metrics: dict[str, dict[str, float]] = {}
+        self.report = RoundReport()
+        self.eval_report = RoundReport()
         self._global: tuple[list[str], list[np.ndarray]] | None = None
         self._grid: tuple[list[np.ndarray], list[int]] | None = None
         self.precompute_grid = True
         """Derive the accumulator's grid in configure_train (while the sites train); off for
         an instance that only builds messages and checks replies (the asynchronous loop's
         per-dispatch strategies): it would be a wasted pass over the model."""
-        self._sent: tuple[int, int] | None = None
-        """``(round, train messages)`` of the last configure_train: at most that many updates
-        come back (the streamed guards keep aside fewer updates with it)."""
+        self._round: int | None = None
+        self._sent: int | None = None
+        """Train messages of the configured round: at most that many updates come back (the
+        streamed guards keep aside fewer updates with it)."""
         self.shards = int(shards)
         self.stream_retain = int(stream_retain)
         self._sharded: Any = None  # the Ray actors, kept from round to round
 
     @classmethod
     def from_config(cls, options: Any, cfg: RunConfig) -> FedAvg:
-        """Build from a validated run config (``[run]`` and ``[strategy]``)."""
+        """Build from a validated run config (``[run]`` and ``[strategy]``): fedagg's
+        protections as configured, replies isolated, identifiers left out of the metrics."""
         s = cfg.strategy
         return cls(fraction_train=cfg.run.fraction_train,
                    fraction_evaluate=cfg.run.fraction_evaluate, min_train_nodes=1,
                    min_evaluate_nodes=1, min_available_nodes=cfg.run.min_sites,
+                   train_metrics_aggr_fn=site_metrics_mean,
+                   evaluate_metrics_aggr_fn=site_metrics_mean,
                    min_sites=cfg.run.min_sites, server_optimizer=s.server_optimizer,
                    server_lr=s.server_lr, server_momentum=s.server_momentum,
                    max_update_norm=s.max_update_norm, seed=cfg.run.seed,
                    wait_timeout=cfg.run.wait_for_sites, max_weight=s.max_weight,
                    max_weight_ratio=s.max_weight_ratio,
                    norm_outlier_factor=s.norm_outlier_factor,
-                   max_model_change=s.max_model_change, shards=s.shards,
-                   stream_retain=s.stream_retain)
+                   max_model_change=s.max_model_change, isolate_replies=True,
+                   shards=s.shards, stream_retain=s.stream_retain)
 
+    # -- Flower's metrics functions ----------------------------------------------------------
+    @property
+    def train_metrics_aggr_fn(self) -> MetricsFn:
+        """Aggregates the accepted replies' metrics (Flower's attribute; settable).
+
+        Flower's ``aggregate_train`` calls it with the replies to average; when fedagg's
+        engine has already averaged the round (the one reply handed over is its result), it
+        returns the metrics the user's function computed over the round's accepted replies.
+        """
+        return self._metrics_of_round
+
+    @train_metrics_aggr_fn.setter
+    def train_metrics_aggr_fn(self, fn: MetricsFn) -> None:
+        self._train_metrics_fn = fn
+
+    def _metrics_of_round(self, contents: list[RecordDict], weight_key: str) -> MetricRecord:
+        result, self._result = self._result, None
+        if result is not None:
+            return result[1]
+        return self._train_metrics_fn(contents, weight_key)
+
+    # -- sampling ----------------------------------------------------------------------------
     @property
     def current_global(self) -> tuple[list[str], list[np.ndarray]]:
         """Keys and arrays of the global model sent in the current round."""
@@ -195,7 +230,6 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
             raise RuntimeError("no round configured yet")
         return self._global
 
-    # -- sampling ----------------------------------------------------------------------------
     def sample(self, grid: Grid, server_round: int, fraction: float, minimum: int) -> list[int]:
         """Seeded sample of connected node ids, after waiting for ``min_available_nodes``."""
         deadline = None if self.wait_timeout is None else time.monotonic() + self.wait_timeout
@@ -213,6 +247,9 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         """Sample sites and send them the global model and the round config."""
+        self.report = RoundReport()
+        self._result = None
+        self._round = server_round
         # read-only views on the record the caller holds anyway: no second copy of the model
         self._global = record_to_arrays(arrays, copy=False)
         # the accumulator's grid depends only on the model sent: derived now, while the sites
@@ -224,7 +261,8 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
             return []
         config["server-round"] = server_round
         nodes = self.sample(grid, server_round, self.fraction_train, self.min_train_nodes)
-        self._sent = (server_round, len(nodes))  # at most this many updates come back
+        self._sent = len(nodes)  # at most this many updates come back
+        self.report.sampled = len(nodes)
         _log.info("round %d: sampled %d sites", server_round, len(nodes))
         record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
         return self._construct_messages(record, nodes, MessageType.TRAIN)
@@ -232,6 +270,7 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
         """Federated evaluation on a seeded sample (none when fraction_evaluate is 0)."""
+        self.eval_report = RoundReport()
         if self.fraction_evaluate == 0.0:
             return []
         config["server-round"] = server_round
@@ -240,64 +279,126 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
         record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
         return self._construct_messages(record, nodes, MessageType.EVALUATE)
 
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]
-                           ) -> MetricRecord | None:
-        """Weighted mean of the sites' evaluation metrics (bad replies left out, named)."""
-        ms, ws = [], []
-        for r in replies:
-            if r.has_error():
-                _log.warning("round %d: evaluation error from node %d: %s", server_round,
-                             r.metadata.src_node_id, r.error.reason)
-                continue
-            mrecs = list(r.content.metric_records.values())
-            w = mrecs[0].get(self.weighted_by_key) if len(mrecs) == 1 else None
-            if isinstance(w, bool) or not isinstance(w, int | float) or not math.isfinite(w) \
-                    or w <= 0:
-                _log.warning("round %d: evaluation reply of node %d has no valid %s",
-                             server_round, r.metadata.src_node_id, self.weighted_by_key)
-                continue
-            ms.append(dict(mrecs[0]))
-            ws.append(float(w))
-        return aggregate_metrics(ms, ws) if ms else None
+    # -- what Flower's aggregate_train / aggregate_evaluate average -----------------------------
+    def codec(self, *, check_finite: bool = True) -> PlainCodec:
+        """The round's per-reply checks (against the configured model, if any)."""
+        keys, ref = self._global if self._global is not None else (None, None)
+        return PlainCodec(keys=keys, reference=ref, weight_key=self.weighted_by_key,
+                          server_round=self._round if self._global is not None else None,
+                          max_norm=self.max_update_norm if ref is not None else None,
+                          max_weight=self.guards.max_weight, strict_dtypes=self.strict_dtypes,
+                          check_finite=check_finite)
 
-    # -- aggregation -------------------------------------------------------------------------
-    def accept(self, replies: Iterable[Message], server_round: int | None = None) -> list[Update]:
-        """Validate every reply; the good ones (their models), bad ones named."""
-        return list(self.accepted(replies, server_round))
+    def decoded(self, replies: Iterable[Message], *, check_finite: bool = True,
+                arrays: bool = True, report: RoundReport | None = None) -> Iterator[Update]:
+        """The checked updates of ``replies``, one at a time; refusals go to ``report``
+        (default :attr:`report`).
 
-    def accepted(self, replies: Iterable[Message], server_round: int | None = None, *,
-                 check_finite: bool = True) -> Iterator[Update]:
-        """:meth:`accept` one reply at a time: each good update is yielded, then released.
-
-        Nothing of a reply is kept once the consumer has dropped its update (the arrays are
-        read-only views on the reply's bytes): the streamed :meth:`aggregate_train`.
-        ``check_finite=False`` leaves NaN / Inf to the consumer (only for one that folds
-        every update into an accumulator with ``checks_finite``).
+        Error replies are counted in ``report.errors``; a reply that fails Flower's
+        consistency rules raises ``InconsistentMessageReplies`` (or, with
+        ``isolate_replies``, is refused); a reply that fails fedagg's checks is refused.
         """
-        if self._global is None:
-            raise RuntimeError("aggregate_train called before configure_train")
-        keys, reference = self._global
-        self.last_rejected = {}
-        for reply in replies:
-            node = reply.metadata.src_node_id
+        report = report if report is not None else self.report
+        codec = self.codec(check_finite=check_finite)
+        consistency = Consistency(self.weighted_by_key, arrays=arrays)
+        i = 0  # not enumerate(): its cached result tuple would keep the last reply alive
+        for reply in replies:  # while the next one is being received
+            i += 1
+            node = node_of(reply)
+            who = str(node) if node is not None else f"reply {i}"
+            if reply.has_error():
+                report.errors[who] = reply.error.reason or "error reply"
+                _log.warning("error reply from %s: %s", who, reply.error.reason)
+                continue
+            report.replies += 1
+            if not self.isolate_replies:  # Flower's rules for the round's replies together
+                consistency.check(reply)
             try:
-                arrays, weight, metrics = validate_reply(
-                    reply, keys, reference, weight_key=self.weighted_by_key,
-                    max_norm=self.max_update_norm, server_round=server_round,
-                    strict_dtypes=self.strict_dtypes, max_weight=self.guards.max_weight,
-                    check_finite=check_finite)
+                update = codec.decode(reply) if arrays else self._evaluation(reply, codec)
             except UpdateRejected as exc:
-                self.last_rejected[str(node)] = str(exc)
-                _log.warning("rejected update: %s", exc)
+                report.refuse(who, str(exc))
                 continue
             finally:
                 del reply
-            yield arrays, weight, dict(metrics), node
-            del arrays
-            # Flower's typed record views (content.array_records) are self-referencing: the
-            # reply's bytes would wait for a cyclic GC; the young generations are microseconds
-            gc.collect(1)
+            yield update
+            del update
+            gc_young()
 
+    def accept(self, replies: Iterable[Message]) -> list[Update]:
+        """fedagg's per-reply checks over a round's replies: the accepted updates (their
+        models as read-only views), the refused ones named in :attr:`report` (a plugin's
+        ``aggregate_train`` starts here, docs/plugins.md)."""
+        return list(self.decoded(replies))
+
+    def _evaluation(self, reply: Message, codec: PlainCodec) -> Update:
+        metrics = next(iter(reply.content.metric_records.values()))
+        weight = check_metadata(f"node {node_of(reply)}", metrics,
+                                weight_key=self.weighted_by_key, max_weight=codec.max_weight)
+        return Update((), weight, dict(metrics), node_of(reply), reply=reply)
+
+    def _check_and_log_replies(self, replies: Iterable[Message], is_train: bool,
+                               validate: bool = True) -> tuple[list[Message], list[Message]]:
+        """The replies Flower's ``aggregate_train`` / ``aggregate_evaluate`` average.
+
+        Training, configured for the round: fedagg's engine folds the checked replies as they
+        come and the round's result is the one reply returned (its weight 1.0; the metrics the
+        metrics function computed over the accepted replies come with it); an empty list when
+        nothing may be committed (the reasons in :attr:`report`). Otherwise: the checked
+        replies themselves.
+        """
+        if not is_train:
+            ups = list(self.decoded(replies, arrays=False, report=self.eval_report))
+            weights = self._capped_weights(ups, self.eval_report)
+            return [_with_weight(u, w, self.weighted_by_key) for u, w in
+                    zip(ups, weights, strict=True)], []
+        if self._global is None:  # aggregate_train called alone: Flower averages the checked
+            if self.optimizer.kind != "none":
+                raise ConfigError(explain(
+                    "FedAvg.aggregate_train", "called before configure_train",
+                    f"server_optimizer = {self.optimizer.kind!r} steps from the global model, "
+                    "which configure_train records", "call configure_train for the round first"))
+            ups = list(self.decoded(replies))
+            weights = self._capped_weights(ups, self.report)
+            self.report.accepted = [_partition(u) for u in ups]
+            return [_with_weight(u, w, self.weighted_by_key) for u, w in
+                    zip(ups, weights, strict=True)], []
+        record, metrics = self._engine(replies)
+        if record is None:
+            return [], []
+        self._result = ([], metrics if metrics is not None else MetricRecord())
+        content = RecordDict({self.arrayrecord_key: record,
+                              "metrics": MetricRecord({self.weighted_by_key: 1.0})})
+        return [Message(content=content, dst_node_id=0, message_type=MessageType.TRAIN)], []
+
+    def aggregate_stream(self, server_round: int, replies: Iterable[Message]
+                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """fedagg's round loop: the replies folded into the engine as they come (configured
+        for the round; otherwise as ``aggregate_train``)."""
+        if self._global is None or self._round != server_round or \
+                type(self).aggregate_train is not FedAvg.aggregate_train:
+            return self.aggregate_train(server_round, replies)
+        return self._engine(replies)
+
+    def _engine(self, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The configured round's replies, checked and folded (:meth:`aggregate_updates`)."""
+        server_round = self._round if self._round is not None else 0
+        # in this process the fold itself refuses NaN / Inf (one read of each reply, not two);
+        # the Ray shards, and a subclass's own accumulator, get replies checked first
+        folds_checked = (self.shards <= 1 and type(self)._accumulator is FedAvg._accumulator)
+        return self.aggregate_updates(
+            server_round, self.decoded(replies, check_finite=not folds_checked), deltas=False)
+
+    def _capped_weights(self, updates: Sequence[Update], report: RoundReport) -> list[float]:
+        """The weights of a list-averaged round, capped by ``max_weight_ratio`` (noted)."""
+        weights, over = cap_weights([u.weight for u in updates], self.guards.max_weight_ratio)
+        for i in over:
+            u = updates[i]
+            report.capped[u.key] = (
+                f"{u.site}: weight {u.weight:.6g} capped to {weights[i]:.6g} "
+                f"(strategy.max_weight_ratio = {self.guards.max_weight_ratio} x the median)")
+        return [float(w) for w in weights]
+
+    # -- the engine ------------------------------------------------------------------------------
     def _accumulator(self, current: Sequence[np.ndarray]) -> WeightBuckets:
         """The round's accumulator: in this process, or the Ray actors (kept across rounds)."""
         grid = self._grid[1] if self._grid is not None and self._grid[0] is current else None
@@ -313,48 +414,45 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
         """Weighted mean of checked updates, applied through the server optimizer.
 
         ``updates`` is consumed once, each update folded as it comes (never listed; its
-        tensors may be :class:`fedagg.accumulate.Sparse`); the round-level guards take
-        :func:`guard_updates`' decisions on the stream (:class:`strategies.streaming.
-        StreamRound`), and the new model is committed only if
-        :func:`fedagg.aggregate.model_change_problem` finds nothing (else the optimizer's state
-        is rolled back and ``None`` returned, the reason in :attr:`last_guarded` under
-        ``"server"``).
+        tensors may be :class:`fedagg.accumulate.Sparse`); the round guards decide on the
+        stream (:class:`strategies.streaming.StreamRound`), and the new model is committed
+        only if :func:`fedagg.aggregate.model_change_problem` finds nothing (else the
+        optimizer's state is rolled back and ``None`` returned, the reason in
+        :attr:`report` under ``"server"``).
 
-        The entry point for wrappers that decode updates themselves (compressed, secure): no
-        Flower records in between. ``deltas=False``: the updates are whole models (plain
-        replies); with ``server_optimizer = "none"`` the new model is then their weighted
-        mean itself, as Flower computes it (within the accumulator's bound, ~1e-10 of each
-        tensor's scale). ``sites``: how many sites the updates
-        stand for (secure aggregation hands over one aggregate), for the ``min_sites`` check.
+        The entry point for wrappers and loops that decode updates themselves (compressed,
+        secure, asynchronous): no Flower records in between. ``deltas=False``: the updates are
+        whole models (plain replies); with ``server_optimizer = "none"`` the new model is then
+        their weighted mean itself, as Flower computes it (within the accumulator's bound,
+        ~1e-10 of each tensor's scale). ``sites``: how many sites the updates stand for
+        (secure aggregation hands over one aggregate), for the ``min_sites`` check.
         """
         if self._global is None:
             raise RuntimeError("aggregate_updates called before configure_train")
         keys, current = self._global
-        self.last_guarded, self.last_capped = {}, {}
+        report = self.report
         acc = self._accumulator(current)
-        sent = self._sent
         stream = StreamRound(acc, self.guards, current, deltas=deltas, server_round=server_round,
                              retain=self.stream_retain,
-                             expected=sent[1] if sent and sent[0] == server_round else None)
+                             expected=self._sent if self._round == server_round else None)
         for update in updates:  # any iterable, consumed once: each update folded, then dropped
             stream.add(update)
             del update
         kept, capped_weights, problem = stream.close()
-        self.last_guarded.update(stream.rejected)
-        self.last_capped.update(stream.capped)
-        order = sorted(range(len(kept)), key=lambda i: (partition_of(kept[i][1]), kept[i][2]))
+        for who, why in stream.rejected.items():
+            report.refused.setdefault(who, why)
+        report.capped.update(stream.capped)
+        order = sorted(range(len(kept)), key=lambda i: (_partition(kept[i]), kept[i].key))
         good = [kept[i] for i in order]
         weights = [capped_weights[i] for i in order]
-        self.last_accepted = [partition_of(m) for _, m, _ in good]
-        self.last_site_metrics = {str(partition_of(m)): _numbers(m) for _, m, _ in good}
+        report.accepted = [_partition(u) for u in good]
+        report.site_metrics = {str(_partition(u)): numbers(u.metrics) for u in good}
         count = len(good) if sites is None else int(sites)
         if problem:
-            self.last_guarded["server"] = problem
-            self.last_rejected.update(self.last_guarded)
+            report.refuse("server", problem, log=False)
             _log.error("%s", problem)
             return None, None
         if count < self.min_sites or not good:
-            self.last_rejected.update(self.last_guarded)
             _log.warning("round %d: %d valid updates < min_sites=%d; global model unchanged",
                          server_round, count, self.min_sites)
             return None, None
@@ -377,32 +475,17 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
         problem = model_change_problem(new, current, max_change=self.guards.max_model_change)
         if problem:
             self.optimizer.restore(snap)  # a refused model leaves no trace in the momentum
-            self.last_guarded["server"] = (f"round {server_round}: the aggregated model was not "
-                                           f"committed (global model unchanged): {problem}")
-            self.last_rejected.update(self.last_guarded)
-            _log.error("%s", self.last_guarded["server"])
+            report.refuse("server", f"round {server_round}: the aggregated model was not "
+                          f"committed (global model unchanged): {problem}", log=False)
+            _log.error("%s", report.refused["server"])
             return None, None
-        self.last_rejected.update(self.last_guarded)
-        metrics = aggregate_metrics([m for _, m, _ in good], weights)
+        metrics = self._train_metrics_fn(
+            [RecordDict({"metrics": MetricRecord({**_metric_values(u.metrics),
+                                                  self.weighted_by_key: float(w)})})
+             for u, w in zip(good, weights, strict=True)], self.weighted_by_key)
         if record is not None and new is mean:
             return record, metrics
         return arrays_to_record(new, keys), metrics
-
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]
-                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Weighted mean of the valid replies, applied through the server optimizer.
-
-        ``replies`` may be any iterable (a generator of replies as they arrive): it is never
-        listed; each reply is checked, folded and released before the next. In this
-        process the fold itself refuses NaN / Inf (one read of each reply, not two); the Ray
-        shards, and a subclass that consumes the updates itself, get replies checked first.
-        """
-        cls = type(self)
-        folds_checked = (self.shards <= 1 and cls.aggregate_updates is FedAvg.aggregate_updates
-                         and cls._accumulator is FedAvg._accumulator)
-        return self.aggregate_updates(
-            server_round, self.accepted(replies, server_round, check_finite=not folds_checked),
-            deltas=False)
 
     def state_dict(self) -> dict[str, Any]:
         """Server-optimizer state, for checkpoints."""
@@ -411,3 +494,40 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
         self.optimizer.load_state_dict(state["optimizer"])
+
+
+def gc_young() -> None:
+    """Collect the young generations: Flower's typed record views (``content.array_records``)
+    hold a bound method of themselves, a reference cycle that keeps a used reply's bytes alive
+    until the cyclic GC runs, which large byte buffers do not trigger (microseconds)."""
+    gc.collect(1)
+
+
+def _partition(update: Update) -> int:
+    return partition_of(update.metrics)
+
+
+def _metric_values(metrics: Any) -> dict[str, Any]:
+    """What a MetricRecord can hold of a site's metrics (numbers and lists of numbers)."""
+    out: dict[str, Any] = {}
+    for k, v in dict(metrics).items():
+        if isinstance(v, bool):
+            continue
+        if isinstance(v, int | float) or (isinstance(v, list) and all(
+                isinstance(x, int | float) and not isinstance(x, bool) for x in v)):
+            out[str(k)] = v
+    return out
+
+
+def _with_weight(update: Update, weight: float, key: str) -> Message:
+    """``update``'s reply, its weight replaced by ``weight`` when a guard capped it."""
+    reply = update.reply
+    assert reply is not None
+    if weight == update.weight:
+        return reply
+    content = RecordDict(dict(reply.content.items()))
+    mkey = next(iter(content.metric_records.keys()))
+    content[mkey] = MetricRecord({**dict(content.metric_records[mkey]), key: float(weight)})
+    out: Message = Message(content=content, metadata=reply.metadata)  # type: ignore[call-overload]
+    return out
+

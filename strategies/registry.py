@@ -105,8 +105,9 @@ def build_strategy(cfg: RunConfig) -> Strategy:
         Unknown names or options, a compression spec that does not parse, secure aggregation
         around a non-linear strategy or with too few sites per round.
     """
-    from strategies.checks import guards_from_config
+    from fedagg.update import UploadSpec
     from strategies.compressed import Compressed
+    from strategies.guards import guards_from_config
     from strategies.secure import SecureAggregation
 
     name = cfg.strategy.name.strip()
@@ -117,6 +118,7 @@ def build_strategy(cfg: RunConfig) -> Strategy:
     if secure:
         return SecureAggregation.from_config(None, cfg, inner)
     if name == "compressed" or c.up != "none" or c.down != "none":
+        UploadSpec.parse(c.up, support=c.support, down=c.down)  # refuses secure-only specs
         return Compressed(inner, up=c.up, down=c.down, support=c.support, seed=cfg.run.seed,
                           max_update_norm=cfg.strategy.max_update_norm,
                           guards=guards_from_config(cfg))

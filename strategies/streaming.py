@@ -1,31 +1,27 @@
-"""Streamed aggregation of train replies: check each one on its own, fold it, drop it.
+"""Streamed aggregation of checked updates: fold each one as it comes, keep only its scalars.
 
-The Flower side of :mod:`fedagg.accumulate`. :func:`fold_replies` takes replies from any
-iterable (a list, a generator, :func:`strategies.base.stream_replies` yielding them as they
-arrive from the Grid) and never materialises it: each reply goes through the strategy's own
-per-reply checks (``check``: fedagg FedAvg's :func:`~strategies.fedavg.validate_reply`, the
-compressed wrapper's decoder, ...), its arrays — read-only views on the message bytes, or
-:class:`~fedagg.accumulate.Sparse` tensors of a compressed reply — are folded into the
-accumulator, and the reply is released. What stays per reply is scalars
-(:class:`Folded`: node, weight, metrics, delta norm), for the metrics and the whole-round
-statistics (:class:`~fedagg.accumulate.RoundStatistics`).
+The Flower side of :mod:`fedagg.accumulate`. :class:`StreamRound` takes
+:class:`~strategies.update.Update` s from any iterable (fedagg FedAvg's decoded replies as
+they arrive from the Grid, a compressed wrapper's decoded deltas, ...) and never materialises
+it: each update's tensors -- read-only views on the message bytes, or
+:class:`~fedagg.accumulate.Sparse` tensors of a compressed reply -- are folded into the
+accumulator and released, with the round guards decided on the stream. What stays per update
+is scalars, for the metrics and the whole-round statistics
+(:class:`~fedagg.accumulate.RoundStatistics`).
 
 :func:`new_accumulator` picks the accumulator: one in this process, or ``shards`` Ray actors
-(:class:`server.sharded.ShardedAccumulator`; Ray is imported only then). Both give the same
+(:class:`strategies.sharded.ShardedAccumulator`; Ray is imported only then). Both give the same
 bits for any arrival order.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any, Protocol, cast
 
 import numpy as np
-from flwr.app import Message
 
 from fedagg.accumulate import (
     DEFAULT_PRECISION_BITS,
@@ -40,15 +36,11 @@ from fedagg.accumulate import (
 )
 from fedagg.aggregate import UpdateGuards, non_finite_message
 from fedagg.errors import ConfigError, NonFiniteUpdate, UpdateRejected, explain
+from strategies.update import Update
 
-__all__ = ["Check", "Folded", "Folder", "RoundFold", "StreamRound", "fold_replies",
-           "new_accumulator"]
+__all__ = ["Folder", "StreamRound", "new_accumulator"]
 
 _log = logging.getLogger(__name__)
-
-Check = Callable[[Message], tuple[Sequence[TensorUpdate], float, dict[str, Any]]]
-"""One reply -> ``(tensors, weight, metrics)``, or :class:`~fedagg.errors.UpdateRejected`."""
-
 
 class Folder(Protocol):
     """What :func:`fold_replies` needs of an accumulator (plain or sharded)."""
@@ -62,29 +54,6 @@ class Folder(Protocol):
 
     @property
     def count(self) -> int: ...
-
-
-@dataclass(frozen=True)
-class Folded:
-    """The scalars a streamed round keeps of one folded reply."""
-
-    node: int
-    weight: float
-    metrics: dict[str, Any]
-    norm: float
-    """L2 norm of the reply's delta (NaN when not computed)."""
-
-
-@dataclass
-class RoundFold:
-    """Outcome of :func:`fold_replies`."""
-
-    folded: list[Folded] = field(default_factory=list)
-    rejected: dict[str, str] = field(default_factory=dict)
-    """Node id -> reason, for replies refused by the check or the accumulator."""
-    stats: RoundStatistics = field(default_factory=RoundStatistics)
-    replies: int = 0
-    """Replies taken from the iterable."""
 
 
 def new_accumulator(reference: Sequence[np.ndarray], *, shards: int = 0,
@@ -120,81 +89,11 @@ def new_accumulator(reference: Sequence[np.ndarray], *, shards: int = 0,
         if reuse is not None and getattr(reuse, "shards", None) == shards:
             reuse.reset(plan)
             return reuse
-        from server.sharded import ShardedAccumulator  # Ray only when sharding is asked for
+        from strategies.sharded import ShardedAccumulator  # Ray only when sharding is asked for
 
         return ShardedAccumulator(plan)
 
     return WeightBuckets(make(sharded), make, [np.asarray(r).dtype.name for r in reference])
-
-
-def fold_replies(replies: Iterable[Message], accumulator: Folder, check: Check, *,
-                 reference: Sequence[np.ndarray] | None = None, norms: bool = False,
-                 on_reply: Callable[[Message], None] | None = None) -> RoundFold:
-    """Check and fold each reply as it comes; keep only scalars of each.
-
-    Parameters
-    ----------
-    replies : iterable of Message
-        Any iterable; it is consumed once and never listed.
-    accumulator : Folder
-        :func:`new_accumulator`'s result.
-    check : Check
-        The strategy's per-reply checks, run before anything of the reply is folded.
-    reference : sequence of ndarray, optional
-        The global model, when the checked tensors are whole models (the norm is then that of
-        ``tensors - reference``); ``None`` when they are deltas.
-    norms : bool
-        Compute each reply's delta L2 norm (one more read of the reply) for the statistics
-        pass of the median-relative guards.
-    on_reply : callable, optional
-        Called with every reply before its check (e.g. to record that a site answered).
-
-    Returns
-    -------
-    RoundFold
-        The folded replies' scalars, the refusals with their reasons and the statistics.
-    """
-    out = RoundFold()
-    seen: set[int] = set()
-    for reply in replies:
-        out.replies += 1
-        node = reply.metadata.src_node_id
-        if on_reply is not None:
-            on_reply(reply)
-        if node in seen:
-            out.rejected[str(node)] = f"node {node}: a second reply in the same round"
-            _log.warning("rejected update: %s", out.rejected[str(node)])
-            continue
-        tensors: Sequence[TensorUpdate] = ()
-        try:
-            tensors, weight, metrics = check(reply)
-            if norms and getattr(accumulator, "fuses_norm", False):  # one read of the update
-                got = cast(Any, accumulator).fold(tensors, weight, norm=True,
-                                                  reference=reference)
-                norm = float("nan") if got is None else got
-            else:
-                norm = delta_norm(tensors, reference) if norms else float("nan")
-                accumulator.fold(tensors, weight)
-        except UpdateRejected as exc:
-            out.rejected[str(node)] = str(exc)
-            _log.warning("rejected update: %s", exc)
-            del reply
-            gc.collect(1)
-            continue
-        finally:
-            del tensors  # the reply's views go with the reply
-        seen.add(node)
-        out.folded.append(Folded(node=node, weight=float(weight), metrics=dict(metrics),
-                                 norm=norm))
-        if norms:
-            out.stats.add(node, float(weight), norm)
-        del reply
-        # Flower's typed views (``content.array_records``, built by every check) hold a bound
-        # method of themselves: a reference cycle that keeps the whole reply alive until the
-        # cyclic GC runs, which large byte buffers do not trigger. Collect the young
-        # generations now (microseconds), so a released reply is freed before the next one.
-        gc.collect(1)
-    return out
 
 
 class StreamRound:
@@ -247,8 +146,8 @@ class StreamRound:
         self.server_round = server_round
         self.stats = RoundStatistics()
         self.retainer = Retainer(retain, directory=spill_dir)
-        self.meta: list[tuple[float, dict[str, Any], int]] = []
-        """``(weight, metrics, node)`` of every folded update (its tensors are gone)."""
+        self.meta: list[tuple[str, Update]] = []
+        """``(key, update without its tensors)`` of every folded update."""
         self.rejected: dict[str, str] = {}
         self.capped: dict[str, str] = {}
         self.unfolded: dict[str, str] = {}
@@ -257,23 +156,25 @@ class StreamRound:
         self._needs_norms = guards.norm_outlier_factor > 0
         self._may_correct = guards.norm_outlier_factor > 0 or guards.max_weight_ratio > 0
         self.expected = expected
+        self._added = 0
         self.skipped = 0
         """Updates not kept aside because no whole-round decision could touch them."""
 
-    def add(self, update: tuple[Sequence[TensorUpdate], float, dict[str, Any], int]) -> None:
+    def add(self, update: Update) -> None:
         """Check the weight, fold the update, record its scalars (and keep it if it may need
         a correction); a refusal is recorded in :attr:`rejected`."""
-        tensors, w, metrics, node_id = update
-        node = str(node_id)
+        tensors, w = update.tensors, update.weight
+        self._added += 1
+        node = update.key if update.node is not None else f"reply {self._added}"
         g = self.guards
         if not (isinstance(w, int | float) and not isinstance(w, bool) and math.isfinite(w)
                 and w > 0) or (g.max_weight is not None and w > g.max_weight):
-            self._reject(node, explain(f"node {node}.weight", w,
+            self._reject(node, explain(f"{update.site}.weight", w,
                                        "must be a finite number in (0, strategy.max_weight]",
                                        "report the number of examples used for training"))
             return
         if node in self.stats.sites:
-            self._reject(node, f"node {node}: a second update in the same round")
+            self._reject(node, f"{update.site}: a second update in the same round")
             return
         reference = None if self.deltas else self.current
         fused = self._needs_norms and getattr(self.acc, "fuses_norm", False)
@@ -290,7 +191,7 @@ class StreamRound:
             self._reject(node, str(exc))
             return
         except NonFiniteUpdate as exc:  # the fold read a NaN / Inf: nothing was folded
-            self._reject(node, non_finite_message(f"node {node}", exc.tensor,
+            self._reject(node, non_finite_message(update.site, exc.tensor,
                                                   np.asarray(tensors[exc.tensor])))
             return
         except UpdateRejected as exc:  # beyond the accumulator's range: nothing was folded
@@ -311,13 +212,13 @@ class StreamRound:
                 self.skipped += 1
             else:
                 self.retainer.offer(node, float(w), norm, tensors)
-        self.meta.append((float(w), metrics, int(node_id)))
+        self.meta.append((node, update.replace(tensors=(), reply=None)))
 
     def _reject(self, node: str, why: str) -> None:
         self.rejected[node] = why
         _log.warning("round %d: rejected update: %s", self.server_round, why)
 
-    def close(self) -> tuple[list[tuple[float, dict[str, Any], int]], list[float], str]:
+    def close(self) -> tuple[list[Update], list[float], str]:
         """Apply the whole-round guards; returns ``(kept meta, their weights, problem)``.
 
         ``problem`` is '' when the accumulator now holds exactly the guarded sum, else why the
@@ -355,8 +256,8 @@ class StreamRound:
                 _log.warning("round %d: %s", self.server_round, note)
                 if not self._correct(node, -w, c):
                     missing.append(node)
-            kept = [m for m in self.meta if str(m[2]) not in refuse]
-            weights = [caps[str(n)][1] if str(n) in caps else w for w, _, n in kept]
+            kept = [(k, u) for k, u in self.meta if k not in refuse]
+            weights = [caps[k][1] if k in caps else u.weight for k, u in kept]
             problem = ""
             if missing:
                 problem = (f"round {self.server_round}: the round guards refused or capped "
@@ -369,7 +270,7 @@ class StreamRound:
                         and len(self.stats) > self.expected:
                     problem += (f" ({len(self.stats)} updates came for {self.expected} "
                                 "messages sent, so some were not kept)")
-            return kept, weights, problem
+            return [u for _, u in kept], weights, problem
         finally:
             self.retainer.close()
 

@@ -1,26 +1,31 @@
 """What fedagg's wrapper strategies share: delegation to ``inner``, and updates handed to it.
 
 :class:`Compressed` and :class:`SecureAggregation` take ANY Flower Message-API strategy as
-``inner`` (fedagg's FedAvg, a plugin, ``flwr.serverapp.strategy.FedAdam``...), as Flower's own
-differential-privacy wrappers do. They change what travels; the inner strategy still samples
-the sites (its ``configure_train`` builds the messages, with its own config keys) and decides
-the aggregate. Decoded updates reach the inner strategy
+``inner`` (fedagg's FedAvg, a plugin, ``flwr.serverapp.strategy.FedAdam``, one of Flower's
+differential-privacy wrappers...), as Flower's own differential-privacy wrappers do. They
+change what travels; the inner strategy still samples the sites (its ``configure_train`` builds
+the messages, with its own config keys) and decides the aggregate. Decoded updates
+(:class:`strategies.update.Update`) reach the inner strategy
 
-* without Flower records, when it has fedagg's ``aggregate_updates`` (fedagg's FedAvg and its
-  subclasses);
-* otherwise as ordinary train replies (``"arrays"`` = the model the site's update implies,
-  ``"metrics"`` with the weight), which is what every Flower strategy understands.
+* through the engine seam :class:`UpdateConsumer` (``aggregate_updates``: fedagg's FedAvg and
+  its subclasses that do not override ``aggregate_train``), without Flower records, sparse
+  tensors as they are;
+* otherwise as ordinary train replies (the array record = the model the site's update implies,
+  one MetricRecord with the weight), which is what every Flower strategy understands: a robust
+  strategy (FedTrimmedAvg, Krum, FedMedian) gets exactly the replies Flower would give it.
 
 Secure aggregation can only hand over *one* update, the weighted mean of the round, so it
 accepts only inner strategies whose aggregate is a weighted mean (:func:`is_linear`).
+
+A wrapper is transparent for what it does not add: an attribute it does not have is the inner
+strategy's (``wrapper.current_arrays``, ``wrapper.server_learning_rate``), read and written.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -30,20 +35,35 @@ from flwr.serverapp.strategy import Strategy
 
 from fedagg.aggregate import UpdateGuards
 from fedagg.errors import ConfigError, ProtocolError, explain
-from strategies.base import FedaggStrategy, RoundLog
-from strategies.checks import guard_updates
+from strategies.base import FedaggStrategy
+from strategies.guards import guard_updates
+from strategies.update import RoundReport, Update
 from strategies.wire import arrays_to_record
 
-__all__ = ["StrategyWrapper", "inner_aggregate", "is_linear", "model_record_key",
-           "streams_updates"]
+__all__ = ["NO_GUARDS", "StrategyWrapper", "UpdateConsumer", "inner_aggregate", "is_linear",
+           "model_record_key", "streams_updates"]
 
 _log = logging.getLogger(__name__)
+
+NO_GUARDS = UpdateGuards(max_weight_ratio=0.0, norm_outlier_factor=0.0)
+"""The round guards of a wrapper built by hand: none that can change an honest result."""
 
 _FLOWER_LINEAR = tuple(getattr(flwr_strategy, n) for n in (
     "FedAvg", "FedAvgM", "FedProx", "FedOpt", "FedAdam", "FedYogi", "FedAdagrad")
     if hasattr(flwr_strategy, n))
 _FLOWER_PASS_THROUGH = tuple(getattr(flwr_strategy, n) for n in (
     "DifferentialPrivacyClientSideFixedClipping",) if hasattr(flwr_strategy, n))
+
+
+@runtime_checkable
+class UpdateConsumer(Protocol):
+    """What fedagg needs of an inner strategy to hand it decoded updates directly."""
+
+    report: RoundReport
+
+    def aggregate_updates(self, server_round: int, updates: Iterable[Update], *,
+                          deltas: bool = True, sites: int | None = None
+                          ) -> tuple[ArrayRecord | None, MetricRecord | None]: ...
 
 
 def is_linear(strategy: Strategy) -> tuple[bool, str]:
@@ -99,74 +119,93 @@ def model_record_key(content: RecordDict, preferred: str = "arrays") -> str:
     return recs[0]
 
 
-def as_reply(reply: Message, content: RecordDict) -> Message:
-    """A reply with ``reply``'s metadata (sender, message ids) and new content."""
-    out: Message = Message(content=content, metadata=reply.metadata)  # type: ignore[call-overload]
+def streams_updates(inner: Strategy) -> bool:
+    """Whether ``inner`` takes decoded updates directly (:class:`UpdateConsumer`, its
+    ``aggregate_updates`` not bypassed by a subclass's own ``aggregate_train``)."""
+    return isinstance(inner, UpdateConsumer) and not _overridden_after(
+        type(inner), "aggregate_updates", "aggregate_train")
+
+
+def record_keys(inner: Strategy) -> tuple[str, str, str]:
+    """``(weighted_by_key, arrayrecord_key, configrecord_key)`` of ``inner`` (Flower's FedAvg
+    family declares them; Flower's defaults otherwise)."""
+    if isinstance(inner, flwr_strategy.FedAvg):
+        return inner.weighted_by_key, inner.arrayrecord_key, inner.configrecord_key
+    if isinstance(inner, StrategyWrapper):
+        return record_keys(inner.inner)
+    return "num-examples", "arrays", "config"
+
+
+def _model_replies(updates: Iterable[Update], current: list[np.ndarray], keys: list[str],
+                   inner: Strategy) -> Iterator[Message]:
+    """The train reply each update implies: its model (``current + delta``) and its weight,
+    the site's other metrics as it sent them, the reply's own metadata."""
+    weight_key, array_key, _ = record_keys(inner)
+    for u in updates:
+        if u.kind == "delta":
+            with np.errstate(over="ignore", invalid="ignore"):
+                model = [(np.asarray(c, np.float64) + np.asarray(d)).astype(
+                    np.asarray(c).dtype, copy=False) for c, d in zip(current, u.tensors,
+                                                                     strict=True)]
+        else:
+            model = [np.asarray(t) for t in u.tensors]
+        metrics = MetricRecord({**_record_values(u.metrics), weight_key: float(u.weight)})
+        content = RecordDict({array_key: arrays_to_record(model, keys), "metrics": metrics})
+        if u.reply is not None:
+            yield Message(content=content, metadata=u.reply.metadata)  # type: ignore[call-overload]
+        else:
+            yield Message(content=content, dst_node_id=0, message_type="train")
+
+
+def _record_values(metrics: Any) -> dict[str, Any]:
+    """What a MetricRecord holds of a site's metrics (numbers and lists of numbers)."""
+    out: dict[str, Any] = {}
+    for k, v in dict(metrics).items():
+        if isinstance(v, bool):
+            continue
+        if isinstance(v, int | float) or (isinstance(v, list) and all(
+                isinstance(x, int | float) and not isinstance(x, bool) for x in v)):
+            out[str(k)] = v
     return out
 
 
-def streams_updates(inner: Strategy) -> bool:
-    """Whether ``inner`` takes decoded updates directly (fedagg's ``aggregate_updates``, not
-    overridden by a subclass's ``aggregate_train``): they can then be streamed to it, sparse
-    tensors as they are (:class:`fedagg.accumulate.Sparse`)."""
-    direct = getattr(inner, "aggregate_updates", None)
-    return callable(direct) and not _overridden_after(type(inner), "aggregate_updates",
-                                                      "aggregate_train")
-
-
-def inner_aggregate(inner: Strategy, server_round: int,
-                    updates: Iterable[tuple[list[np.ndarray], float, dict[str, Any], Message]],
-                    keys: list[str], current: list[np.ndarray], *, sites: int | None = None,
-                    guards: UpdateGuards | None = None, rejected: dict[str, str] | None = None
+def inner_aggregate(inner: Strategy, server_round: int, updates: Iterable[Update],
+                    keys: list[str], current: list[np.ndarray], report: RoundReport, *,
+                    sites: int | None = None, guards: UpdateGuards = NO_GUARDS
                     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-    """Hand checked deltas to ``inner``: directly, or as the train replies they imply.
+    """Hand checked updates to ``inner``: directly, or as the train replies they imply.
 
-    ``updates`` holds ``(delta, weight, metrics, original reply)``; an iterator is streamed to
-    a direct ``inner`` (:func:`streams_updates`) one update at a time, never listed; ``current`` is the global
-    model the deltas are taken against (full precision). fedagg's FedAvg applies its own
-    round-level guards (and says what they refused, added to ``rejected``); for any other
-    strategy ``guards`` (default: the defaults of :class:`fedagg.aggregate.UpdateGuards`) run
-    here, before the replies are built: norm bombs are refused and weights capped.
+    An iterator is streamed to an :class:`UpdateConsumer` one update at a time, never
+    listed, and the consumer's own report (its guards' refusals, the accepted sites) merged
+    into ``report``. Any other strategy gets the list of replies the updates imply, after
+    ``guards`` (default none: Flower's strategies get exactly the replies Flower would give
+    them); ``current`` is the global model deltas are taken against (full precision).
     """
-    out_rejected = rejected if rejected is not None else {}
     if streams_updates(inner):
-        if isinstance(getattr(inner, "last_rejected", None), dict):
-            inner.last_rejected = {}  # type: ignore[attr-defined]
-        out: tuple[ArrayRecord | None, MetricRecord | None] = inner.aggregate_updates(  # type: ignore[attr-defined]
-            server_round, ((d, w, m, r.metadata.src_node_id) for d, w, m, r in updates),
-            **({"sites": sites} if sites is not None else {}))
-        for who, why in dict(getattr(inner, "last_guarded", {}) or {}).items():
-            out_rejected.setdefault(str(who), why)
+        consumer: Any = inner
+        consumer.report = RoundReport()
+        out: tuple[ArrayRecord | None, MetricRecord | None] = consumer.aggregate_updates(
+            server_round, updates, **({"sites": sites} if sites is not None else {}))
+        report.merge(consumer.report)
         return out
-    updates = list(updates)  # a Flower strategy gets replies: all of them, as Flower does
-    by_node = {r.metadata.src_node_id: r for _, _, _, r in updates}
-    kept, weights = guard_updates(
-        [(d, w, m, r.metadata.src_node_id) for d, w, m, r in updates],
-        guards if guards is not None else UpdateGuards(), current, deltas=True,
-        server_round=server_round, rejected=out_rejected)
-    weight_key = str(getattr(inner, "weighted_by_key", "num-examples"))
-    array_key = str(getattr(inner, "arrayrecord_key", "arrays"))
-    if weights and not sum(weights) <= 1e300:
-        top = max(weights)  # Flower divides by the sum: keep it finite (1e308 weights)
-        weights = [w / top for w in weights]
-    replies = []
-    for (delta, _, metrics, node), weight in zip(kept, weights, strict=True):
-        reply = by_node[node]
-        with np.errstate(over="ignore", invalid="ignore"):
-            model = [(np.asarray(c, np.float64) + d).astype(np.asarray(c).dtype, copy=False)
-                     for c, d in zip(current, delta, strict=True)]
-        # Flower's aggregate_metricrecords adds whatever it is given: finite scalars only
-        clean: dict[str, Any] = {k: v for k, v in metrics.items()
-                                 if isinstance(v, int | float) and not isinstance(v, bool)
-                                 and math.isfinite(v)}
-        clean[weight_key] = float(weight)
-        replies.append(as_reply(reply, RecordDict({array_key: arrays_to_record(model, keys),
-                                                   "metrics": MetricRecord(clean)})))
-    if not replies:
+    listed = list(updates)  # a Flower strategy gets replies: all of them, as Flower does
+    if guards.norm_outlier_factor > 0 or guards.max_weight_ratio > 0 or \
+            guards.max_weight is not None:
+        listed = guard_updates(listed, guards, current, server_round=server_round,
+                               rejected=report.refused, capped=report.capped)
+    if not listed:
         return None, None
+    replies = list(_model_replies(listed, current, keys, inner))
     result: tuple[ArrayRecord | None, MetricRecord | None] = inner.aggregate_train(
         server_round, replies)
+    if isinstance(inner, FedaggStrategy):
+        report.merge(inner.report)
     return result
+
+
+def _declared(cls: type) -> set[str]:
+    """The attribute names the classes of ``cls``'s MRO declare (annotations)."""
+    return {name for c in cls.__mro__ for name in vars(c).get("__annotations__", {})}
 
 
 class StrategyWrapper(FedaggStrategy):
@@ -178,6 +217,9 @@ class StrategyWrapper(FedaggStrategy):
         Any Flower Message-API strategy.
     """
 
+    inner: Strategy
+    report: RoundReport
+
     def __init__(self, inner: Strategy) -> None:
         if not isinstance(inner, Strategy):
             raise ConfigError(explain("inner", type(inner).__name__,
@@ -185,9 +227,32 @@ class StrategyWrapper(FedaggStrategy):
                                       "(flwr.serverapp.strategy.Strategy)",
                                       "pass e.g. strategies.FedAvg() or "
                                       "flwr.serverapp.strategy.FedAdam()"))
-        self.inner = inner
-        self.round_log = RoundLog()
-        self.last_rejected: dict[str, str] = {}
+        object.__setattr__(self, "inner", inner)
+        self.report = RoundReport()
+
+    # -- transparency ------------------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        """A data attribute the wrapper does not have is the inner strategy's (methods are
+        not: what the wrapper does not override is Flower's or its own)."""
+        inner = self.__dict__.get("inner")
+        if name.startswith("__") or name == "inner" or inner is None:
+            raise AttributeError(name)
+        value = getattr(inner, name)
+        if callable(value):
+            raise AttributeError(f"{type(self).__name__} has no method {name!r}")
+        return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Setting a data attribute the wrapper does not declare but the inner strategy has
+        sets the inner strategy's (``wrapper.current_arrays = ...`` as on the strategy it
+        wraps); a wrapper's own attributes are declared in its class body."""
+        inner = self.__dict__.get("inner")
+        if (inner is not None and name not in self.__dict__ and not hasattr(type(self), name)
+                and name not in _declared(type(self)) and hasattr(inner, name)
+                and not callable(getattr(inner, name))):
+            setattr(inner, name, value)
+        else:
+            object.__setattr__(self, name, value)
 
     # -- delegated -----------------------------------------------------------------------------
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -205,17 +270,6 @@ class StrategyWrapper(FedaggStrategy):
         _log.info("%s around %s", type(self).__name__, type(self.inner).__name__)
         self.inner.summary()
 
-    @property
-    def last_accepted(self) -> list[int] | None:
-        """Partition ids the inner strategy aggregated in the last round, if it says."""
-        value = getattr(self.inner, "last_accepted", None)
-        return list(value) if value is not None else None
-
-    @property
-    def last_site_metrics(self) -> dict[str, dict[str, float]]:
-        """Per-site metrics of the last round, if the inner strategy keeps them."""
-        return dict(getattr(self.inner, "last_site_metrics", {}) or {})
-
     def state_dict(self) -> dict[str, Any]:
         """The inner strategy's state (for checkpoints), if it has one."""
         fn = getattr(self.inner, "state_dict", None)
@@ -228,5 +282,4 @@ class StrategyWrapper(FedaggStrategy):
             fn(state.get("inner", state))  # fedagg 0.1 kept the inner's
 
     def _new_round(self) -> None:
-        self.round_log = RoundLog()
-        self.last_rejected = {}
+        self.report = RoundReport()

@@ -115,3 +115,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group("ray"))
         elif item.path.name == "test_resume.py":
             item.add_marker(pytest.mark.xdist_group("resume"))
+
+
+GUARDED = {"max_weight_ratio": 10.0, "norm_outlier_factor": 10.0, "isolate_replies": True}
+"""fedagg's protections as ``fedagg simulate`` turns them on (the run config's defaults); a
+FedAvg built by hand has them off, as Flower's."""
+
+
+def guarded_fedavg(**kwargs: object) -> object:
+    """fedagg's FedAvg with the run config's protections on (``kwargs`` win), its metrics
+    averaged as in fedagg's runs (identifiers and broken keys left out)."""
+    from strategies.fedavg import FedAvg
+    from strategies.metrics import site_metrics_mean
+
+    return FedAvg(**{**GUARDED, "train_metrics_aggr_fn": site_metrics_mean,  # type: ignore[arg-type]
+                     "evaluate_metrics_aggr_fn": site_metrics_mean, **kwargs})

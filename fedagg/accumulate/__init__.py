@@ -7,7 +7,7 @@
   fold (negative weight) and exact :meth:`Accumulator.merge`; ``state_dict``.
 * :class:`ShardPlan` — the model cut into ``S`` contiguous flat ranges, each tensor piece
   addressed without copies, for sharded aggregation (one accumulator per shard; the Ray
-  actors in ``server/sharded.py``).
+  actors in ``strategies/sharded.py``).
 * :class:`RoundStatistics` / :func:`delta_norm` — the statistics pass of the whole-round
   checks (median weight, median delta norm): scalars per reply, never the updates;
   :class:`Retainer` keeps the few updates those checks may still correct (bounded, spilled

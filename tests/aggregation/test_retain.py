@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from conftest import train_reply
+from conftest import guarded_fedavg, train_reply
 from flwr.app import ConfigRecord, Message
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -135,7 +135,7 @@ def _run(updates: list[tuple[np.ndarray, float]], sent: int,
          ) -> tuple[FedAvg, list[np.ndarray] | None, int]:
     """One streamed round after a configure_train to ``sent`` sites; also how many updates
     the round kept aside."""
-    s = FedAvg(min_available_nodes=1, **kw)
+    s = guarded_fedavg(min_available_nodes=1, **kw)
     s.configure_train(1, arrays_to_record([np.zeros(4000, np.float32)]), ConfigRecord(),
                       _Grid(sent))
     stores = []
@@ -163,8 +163,8 @@ def test_a_streamed_round_keeps_fewer_updates_and_gives_the_same_bits(
     lean, got, lean_kept = _run(updates, len(updates), monkeypatch)
     full, want, full_kept = _run(updates, 10_000, monkeypatch)  # no useful bound: keeps all
     assert got is not None and want is not None and got[0].tobytes() == want[0].tobytes()
-    assert lean.last_rejected.keys() == full.last_rejected.keys() == {"4"}
-    assert lean.last_capped.keys() == full.last_capped.keys() == {"13"}
+    assert lean.report.refused.keys() == full.report.refused.keys() == {"4"}
+    assert lean.report.capped.keys() == full.report.capped.keys() == {"13"}
     assert lean_kept < full_kept == len(updates)
     assert lean_kept <= 8  # the first half (7), the liar
 
@@ -181,8 +181,8 @@ def test_more_updates_than_messages_refuse_the_round_rather_than_corrupt_it(
     updates = [(unit, 50.0) for _ in range(6)] + [(unit * 0.01, 50.0) for _ in range(10)]
     s, got, _ = _run(updates, 6, monkeypatch, stream_retain=6)
     assert got is None
-    assert "16 updates came for 6 messages sent" in s.last_rejected["server"]
-    assert all("norm_outlier_factor" in s.last_rejected[str(n)] for n in range(1, 7))
+    assert "16 updates came for 6 messages sent" in s.report.refused["server"]
+    assert all("norm_outlier_factor" in s.report.refused[str(n)] for n in range(1, 7))
     _, exact, _ = _run(updates, 16, monkeypatch, stream_retain=6)  # told the truth
     assert exact is not None
     np.testing.assert_allclose(exact[0], unit * 0.01, rtol=1e-6, atol=1e-10)

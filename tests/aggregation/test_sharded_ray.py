@@ -6,13 +6,14 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from conftest import guarded_fedavg
 
 from fedagg.accumulate import Accumulator, ShardPlan, Sparse
 from fedagg.errors import ConfigError, UpdateRejected
 from strategies.wire import record_to_arrays
 
 ray = pytest.importorskip("ray")
-from server.sharded import ShardActor, ShardedAccumulator  # noqa: E402
+from strategies.sharded import ShardActor, ShardedAccumulator  # noqa: E402
 
 pytestmark = pytest.mark.flower  # starts a Ray cluster (grouped with the simulation tests)
 
@@ -107,12 +108,11 @@ def test_the_actor_class_refuses_use_before_reset() -> None:
 
 
 def test_sharded_fedavg_rounds_equal_unsharded_bit_for_bit(cluster: None) -> None:
-    """strategies.FedAvg(shards=S).aggregate_train on a generator, the round guards
+    """strategies.guarded_fedavg(shards=S).aggregate_train on a generator, the round guards
     correcting a norm bomb and a capped liar on the shards, two rounds on the same actors."""
     from conftest import train_reply
     from flwr.app import ConfigRecord
 
-    from strategies.fedavg import FedAvg
     from strategies.wire import arrays_to_record
 
     class _Grid:
@@ -126,14 +126,14 @@ def test_sharded_fedavg_rounds_equal_unsharded_bit_for_bit(cluster: None) -> Non
     ups.append(([g + 100.0 for g in glob], 50.0))  # norm bomb
     ups.append(([g + 0.01 for g in glob], 1e5))  # capped
     results = []
-    plain, sharded = FedAvg(min_available_nodes=1), FedAvg(min_available_nodes=1, shards=3)
+    plain, sharded = guarded_fedavg(min_available_nodes=1), guarded_fedavg(min_available_nodes=1, shards=3)
     for s in (plain, sharded):
         out = []
         for rnd, order in ((1, range(8)), (2, [7, 2, 5, 0, 6, 1, 4, 3])):
             s.configure_train(rnd, arrays_to_record(glob), ConfigRecord(), _Grid())
             rec, _ = s.aggregate_train(rnd, (train_reply(i + 1, *ups[i]) for i in order))
-            assert rec is not None and "norm_outlier_factor" in s.last_rejected["7"]
-            assert "8" in s.last_capped
+            assert rec is not None and "norm_outlier_factor" in s.report.refused["7"]
+            assert "8" in s.report.capped
             out.append(record_to_arrays(rec)[1])
         results.append(out)
     try:

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import reply_message, train_reply
+from conftest import guarded_fedavg, reply_message, train_reply
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,7 +18,6 @@ from fedagg.compression import codec
 from fedagg.compression.payload import Payload, TensorPayload, WireDType
 from strategies.base import ExchangeLog, stream_exchange
 from strategies.compressed import Compressed
-from strategies.fedavg import FedAvg
 from strategies.wire import arrays_to_record, payload_record, record_to_arrays
 
 
@@ -64,12 +63,12 @@ def test_fedavg_rounds_give_the_same_bits_for_every_arrival_order(seed: int,
     updates = _honest(rng, 6)
     updates.append(([np.full((30, 20), 50.0, np.float32)], 100.0))  # a norm bomb: refused
     updates.append(([rng.normal(0, 0.1, (30, 20)).astype(np.float32)], 1e6))  # capped
-    base = _round(FedAvg(min_available_nodes=1), glob, _replies(updates))
+    base = _round(guarded_fedavg(min_available_nodes=1), glob, _replies(updates))
     perm = data.draw(st.permutations(range(len(updates))))
-    s = FedAvg(min_available_nodes=1)
+    s = guarded_fedavg(min_available_nodes=1)
     again = _round(s, glob, _replies(updates, perm))
     assert base is not None and again is not None and _same(base, again)
-    assert "norm_outlier_factor" in s.last_rejected["7"] and "8" in s.last_capped
+    assert "norm_outlier_factor" in s.report.refused["7"] and "8" in s.report.capped
 
 
 def test_the_guards_correct_the_streamed_sum_exactly() -> None:
@@ -80,14 +79,14 @@ def test_the_guards_correct_the_streamed_sum_exactly() -> None:
     honest = _honest(rng, 5)
     liar = ([rng.normal(0, 0.1, (30, 20)).astype(np.float32)], 1e6)
     bomb = ([np.full((30, 20), 1e4, np.float32)], 90.0)
-    s = FedAvg(min_available_nodes=1)
+    s = guarded_fedavg(min_available_nodes=1)
     got = _round(s, glob, _replies([*honest, liar, bomb]))
     cap = float(np.median([w for _, w in honest] + [liar[1]])) * 10
-    assert f"capped to {cap:.6g}" in s.last_capped["6"]
-    clean = FedAvg(min_available_nodes=1, max_weight_ratio=0, norm_outlier_factor=0)
+    assert f"capped to {cap:.6g}" in s.report.capped["6"]
+    clean = guarded_fedavg(min_available_nodes=1, max_weight_ratio=0, norm_outlier_factor=0)
     want = _round(clean, glob, _replies([*honest, (liar[0], cap)]))
     assert got is not None and want is not None and _same(got, want)
-    assert "norm_outlier_factor" in s.last_rejected["7"] and len(s.last_accepted) == 6
+    assert "norm_outlier_factor" in s.report.refused["7"] and len(s.report.accepted) == 6
 
 
 def test_more_corrections_than_kept_refuse_the_round_not_corrupt_it() -> None:
@@ -95,11 +94,11 @@ def test_more_corrections_than_kept_refuse_the_round_not_corrupt_it() -> None:
     glob = [np.zeros(50, np.float32)]
     honest = _honest(rng, 5, (50,))
     bombs = [([np.full(50, 1e3 * (k + 1), np.float32)], 100.0) for k in range(2)]
-    s = FedAvg(min_available_nodes=1, stream_retain=1)
+    s = guarded_fedavg(min_available_nodes=1, stream_retain=1)
     assert _round(s, glob, _replies([*honest, *bombs])) is None
-    assert "stream_retain" in s.last_rejected["server"]
-    assert all("norm_outlier_factor" in s.last_rejected[str(n)] for n in (6, 7))
-    kept = FedAvg(min_available_nodes=1, stream_retain=2)
+    assert "stream_retain" in s.report.refused["server"]
+    assert all("norm_outlier_factor" in s.report.refused[str(n)] for n in (6, 7))
+    kept = guarded_fedavg(min_available_nodes=1, stream_retain=2)
     out = _round(kept, glob, _replies([*honest, *bombs]))
     assert out is not None and np.abs(out[0]).max() < 1.0
 
@@ -116,8 +115,8 @@ def test_aggregate_train_takes_a_generator_and_equals_the_list() -> None:
             consumed.append(i)
             yield r
 
-    from_gen = _round(FedAvg(min_available_nodes=1), glob, gen())
-    from_list = _round(FedAvg(min_available_nodes=1), glob, list(_replies(updates)))
+    from_gen = _round(guarded_fedavg(min_available_nodes=1), glob, gen())
+    from_list = _round(guarded_fedavg(min_available_nodes=1), glob, list(_replies(updates)))
     assert consumed == list(range(5)) and from_gen is not None and from_list is not None
     assert _same(from_gen, from_list)
     w = np.array([u[1] for u in updates])
@@ -146,7 +145,7 @@ def test_compressed_replies_stream_sparse_into_fedavg() -> None:
 
     outs = []
     for order in (range(6), [5, 3, 1, 0, 2, 4]):
-        s = Compressed(FedAvg(min_available_nodes=1), up="topk:0.2")
+        s = Compressed(guarded_fedavg(min_available_nodes=1), up="topk:0.2")
         outs.append(_round(s, glob, replies(order)))
     assert outs[0] is not None and outs[1] is not None and _same(outs[0], outs[1])
     dense = np.zeros(40)
@@ -248,6 +247,6 @@ def test_stream_exchange_refuses_foreign_replies() -> None:
 def test_an_honest_round_needs_no_correction(retain: int) -> None:
     rng = np.random.default_rng(5)
     glob = [np.zeros(10, np.float32)]
-    s = FedAvg(min_available_nodes=1, stream_retain=retain)
+    s = guarded_fedavg(min_available_nodes=1, stream_retain=retain)
     out = _round(s, glob, _replies(_honest(rng, 6, (10,))))
-    assert out is not None and not s.last_rejected and not s.last_capped
+    assert out is not None and not s.report.refused and not s.report.capped

@@ -1,7 +1,7 @@
 """Streamed aggregates equal the list-based ones: FedAvg replies and compressed payloads.
 
 Replies are real Flower messages handed over by a generator; the checks are the strategies'
-own per-reply checks (fedagg FedAvg's ``validate_reply``, the compressed decoder).
+own per-reply checks (fedagg FedAvg's plain codec, the compressed decoder).
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from fedagg.aggregate import weighted_mean
 from fedagg.compression import codec
 from fedagg.compression.payload import Payload, TensorPayload, WireDType
 from fedagg.update.decode import decode_delta, decode_sparse
-from strategies.fedavg import FedAvg, validate_reply
-from strategies.streaming import fold_replies, new_accumulator
+from strategies.fedavg import FedAvg
 from strategies.wire import arrays_to_record, record_to_arrays
 
 
@@ -44,20 +43,24 @@ def _replies(rng: np.random.Generator, ref: list[np.ndarray], nodes: list[int]
                           keys=["w", "b"], **{"server-round": 1})
 
 
-def test_fedavg_replies_streamed_equal_fedavg_aggregate_train() -> None:
-    rng = np.random.default_rng(0)
-    ref = _model(rng)
-    strategy = FedAvg(min_available_nodes=1)
+def _streamed(strategy: FedAvg, replies: Iterator[Message]) -> list[np.ndarray]:
+    """FedAvg's engine over ``replies`` as they come (checked, folded, dropped)."""
+    record, _ = strategy.aggregate_updates(1, strategy.decoded(replies), deltas=False)
+    assert record is not None
+    return record_to_arrays(record)[1]
+
+
+def _configured() -> tuple[FedAvg, list[np.ndarray]]:
+    ref = _model(np.random.default_rng(0))
+    strategy = FedAvg(min_available_nodes=1, isolate_replies=True)
     strategy.configure_train(1, arrays_to_record(ref, ["w", "b"]), ConfigRecord(), _Grid())
-    keys, current = strategy.current_global
+    return strategy, ref
+
+
+def test_fedavg_replies_streamed_equal_the_weighted_mean() -> None:
+    strategy, ref = _configured()
     listed = list(_replies(np.random.default_rng(1), ref, [1, 2, 3, 4, 5]))
     bad = reply_message(1, listed[0].content)  # site 1 again, later in the stream
-    expected, _ = strategy.aggregate_train(1, listed)
-    assert expected is not None
-
-    def check(reply: Message) -> tuple[list[np.ndarray], float, dict]:
-        arrays, weight, metrics = validate_reply(reply, keys, current, server_round=1)
-        return arrays, weight, dict(metrics)
 
     def stream() -> Iterator[Message]:  # a generator: nothing is listed
         yield from _replies(np.random.default_rng(1), ref, [1, 2, 3, 4, 5])
@@ -65,33 +68,29 @@ def test_fedavg_replies_streamed_equal_fedavg_aggregate_train() -> None:
                           keys=["w", "b"])
         yield bad
 
-    acc = new_accumulator(current)
-    fold = fold_replies(stream(), acc, check, reference=current, norms=True)
-    assert [f.node for f in fold.folded] == [1, 2, 3, 4, 5]
-    assert "non-finite" in fold.rejected["7"] and "second reply" in fold.rejected["1"]
-    assert fold.replies == 7 and len(fold.stats) == len(fold.folded)
-    # the streamed mean of the five good replies equals FedAvg's list-based one
-    acc5 = new_accumulator(current)
-    fold_replies(_replies(np.random.default_rng(1), ref, [1, 2, 3, 4, 5]), acc5, check)
-    got = acc5.mean()
-    for g, e in zip(got, record_to_arrays(expected)[1], strict=True):
+    with_bad = _streamed(strategy, stream())
+    assert strategy.report.accepted == [-1] * 5  # no partition ids: the labels are unknown
+    assert "non-finite" in strategy.report.refused["7"]
+    assert "second update" in strategy.report.refused["1"]
+    strategy.report = type(strategy.report)()
+    good = _streamed(strategy, _replies(np.random.default_rng(1), ref, [1, 2, 3, 4, 5]))
+    assert _same(good, with_bad)  # the refused replies left no trace
+    # the streamed mean equals the float64 weighted mean of the same replies
+    models = [record_to_arrays(r.content["arrays"])[1] for r in listed]
+    weights = [float(r.content["metrics"]["num-examples"]) for r in listed]
+    for g, e in zip(good, weighted_mean(models, weights), strict=True):
         np.testing.assert_allclose(g, e, rtol=0, atol=2e-7)
-    assert _same(got, acc.mean())  # the refused replies left no trace
     # and the order of arrival does not change a bit
-    acc_rev = new_accumulator(current)
-    fold_replies(reversed(list(_replies(np.random.default_rng(1), ref, [1, 2, 3, 4, 5]))),
-                 acc_rev, check)
-    assert _same(got, acc_rev.mean())
+    rev = _streamed(strategy, reversed(list(_replies(np.random.default_rng(1), ref,
+                                                      [1, 2, 3, 4, 5]))))
+    assert _same(good, rev)
 
 
 def test_a_second_reply_of_a_site_is_refused() -> None:
-    rng = np.random.default_rng(2)
-    ref = _model(rng)
-    twice = list(_replies(rng, ref, [3])) * 2
-    acc = Accumulator.for_model(ref)
-    fold = fold_replies(iter(twice), acc, lambda r: (record_to_arrays(
-        r.content["arrays"], copy=False)[1], 1.0, {}))
-    assert acc.count == 1 and "second reply" in fold.rejected["3"]
+    strategy, ref = _configured()
+    twice = list(_replies(np.random.default_rng(2), ref, [3])) * 2
+    strategy.aggregate_updates(1, strategy.decoded(iter(twice)), deltas=False)
+    assert strategy.report.accepted == [-1] and "second update" in strategy.report.refused["3"]
 
 
 def _payload(rng: np.random.Generator, shapes: list[tuple[int, ...]], kind: str) -> bytes:

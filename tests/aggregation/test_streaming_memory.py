@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from conftest import reply_message
+from conftest import guarded_fedavg, reply_message
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedagg.accumulate import Accumulator
@@ -68,14 +68,15 @@ class _Grid:
 
 
 def _fedavg_round(n: int) -> tuple[int, np.ndarray, FedAvg]:
-    """fedagg's FedAvg.aggregate_train fed a generator (guards on, their defaults)."""
-    strategy = FedAvg(min_available_nodes=1)
+    """fedagg's FedAvg fed a generator as fedagg's round loop feeds it (``aggregate_stream``:
+    the replies straight into its engine; guards on, the run config's defaults)."""
+    strategy = guarded_fedavg(min_available_nodes=1)
     strategy.configure_train(1, arrays_to_record([np.zeros(N_PARAMS, np.float32)]),
                              ConfigRecord(), _Grid())
     gc.collect()
     mem = PeakMemory()
     mem.start()
-    new, _ = strategy.aggregate_train(1, _replies(n))
+    new, _ = strategy.aggregate_stream(1, _replies(n))
     assert new is not None
     mean = record_to_arrays(new)[1][0][:4].copy()
     del new
@@ -131,7 +132,7 @@ def test_fedavg_aggregate_train_on_a_generator_stays_within_its_bound() -> None:
     # the mean and the new model's record (the accumulator released first)
     assert many <= 4.5 * MODEL_BYTES, many / MODEL_BYTES
     assert many - few <= 0.5 * MODEL_BYTES, (few / MODEL_BYTES, many / MODEL_BYTES)
-    assert not strategy.last_rejected and strategy.last_accepted == [-1] * 12
+    assert not strategy.report.refused and strategy.report.accepted == [-1] * 12
     w = np.arange(10, 22, dtype=np.float64)
     expected = float(np.sum(w * (0.001 * np.arange(1, 13, dtype=np.float32)).astype(np.float64))
                      / w.sum())

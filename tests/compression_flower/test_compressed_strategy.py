@@ -68,7 +68,7 @@ def test_compressed_equals_fedavg_on_the_decoded_deltas(spec: str) -> None:
     ref = FedAvg()
     ref.configure_train(1, arrays_to_record(g, KEYS), ConfigRecord(), Grid([1, 2, 3]))  # type: ignore[arg-type]
     theirs, _ = ref.aggregate_train(1, dense)
-    assert ours is not None and theirs is not None and s.last_rejected == {}
+    assert ours is not None and theirs is not None and s.report.refused == {}
     for a, b in zip(record_to_arrays(ours)[1], record_to_arrays(theirs)[1], strict=True):
         assert a.dtype == np.float32
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -123,7 +123,8 @@ def test_bad_reply_is_rejected_and_model_unchanged_when_alone(kind: str) -> None
     send(s, model(0), 1, [1])
     out, metrics = s.aggregate_train(1, [_corrupt(kind, rng)])  # type: ignore[list-item]
     assert out is None and metrics is None
-    assert list(s.last_rejected) == ["1"] and s.last_rejected["1"]
+    reasons = {**s.report.refused, **s.report.errors}  # an error reply is an error, not a refusal
+    assert list(reasons) == ["1"] and reasons["1"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -134,7 +135,7 @@ def test_bad_reply_does_not_spoil_the_good_ones(kind: str) -> None:
     send(s, g, 1, [1, 2])
     good = _good_payload(rng)
     out, _ = s.aggregate_train(1, [_corrupt(kind, rng), _reply(2, good, 7)])  # type: ignore[list-item]
-    assert out is not None and list(s.last_rejected) == ["1"]
+    assert out is not None and list({**s.report.refused, **s.report.errors}) == ["1"]
     want = [a + d for a, d in zip(g, codec.decode(good).to_dense(), strict=True)]
     for a, b in zip(record_to_arrays(out)[1], want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6)
@@ -165,11 +166,11 @@ def test_shared_support_site_and_server_agree(support: str) -> None:
             p = codec.decode(payload_bytes(r.content.array_records[REPLY_KEY]))
             assert all(t.implicit_indices for t in p.tensors)
         out, _ = s.aggregate_train(rnd, replies)
-        assert out is not None and s.last_rejected == {}
+        assert out is not None and s.report.refused == {}
         # the server's decoded deltas satisfy the sites' sum invariant => same support
         decoded = {}
         for r in replies:
-            decoded[r.metadata.src_node_id] = s.decode_reply(r)[0]
+            decoded[r.metadata.src_node_id] = s.codec.decode(r).tensors
         for n in nodes:
             res = ef_residual(ctxs[n])
             for d, c, p, e in zip(deltas[n], carried[n], decoded[n], res, strict=True):

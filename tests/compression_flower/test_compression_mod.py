@@ -172,7 +172,7 @@ def test_real_client_app_replies_compressed() -> None:
         assert "fedagg.ef" in ctx.state.array_records
     assert all(set(r.content.keys()) == {REPLY_KEY, "metrics"} for r in replies)
     out, metrics = s.aggregate_train(1, replies)
-    assert out is not None and s.last_rejected == {}
+    assert out is not None and s.report.refused == {}
     new = record_to_arrays(out)[1]
     changed = sum(int(np.count_nonzero(a != b)) for a, b in zip(new, g, strict=True))
     total = sum(a.size for a in g)

@@ -158,9 +158,9 @@ def test_the_docs_plugin_takes_compressed_updates_and_secure_refuses_it() -> Non
     grid = InProcessGrid(make_client_app(), 3, seed=5)
     msgs = list(strategy.configure_train(1, arrays_to_record(w0, keys), client_config(cfg), grid))
     replies = list(grid.send_and_receive(msgs))
-    decoded = [strategy.decode_reply(r)[0] for r in replies]
+    decoded = [strategy.codec.decode(r).tensors for r in replies]
     out, _ = strategy.aggregate_train(1, replies)
-    assert out is not None and strategy.last_rejected == {}
+    assert out is not None and strategy.report.refused == {}
     for j, got in enumerate(record_to_arrays(out)[1]):
         median = np.median(np.stack([w0[j] + d[j] for d in decoded]), axis=0)
         np.testing.assert_allclose(got, median, rtol=1e-6, atol=1e-7)
@@ -204,10 +204,15 @@ def test_fedavg_waits_for_min_available_nodes_like_flower() -> None:
 
 
 def test_identifiers_are_not_averaged_and_old_metric_names_are_aliases() -> None:
-    from strategies.fedavg import aggregate_metrics
+    from flwr.app import MetricRecord
 
-    out = aggregate_metrics([{"train-loss": 1.0, "partition-id": 0, "server-round": 3,
-                              "num-examples": 10, "odd": [1, 2]},
-                             {"train_loss": 3.0, "partition-id": 1, "server-round": 3,
-                              "num-examples": 30, "odd": 4.0}], [10, 30])
-    assert dict(out) == {"train_loss": 2.5}  # 'odd' is a list at one site: dropped this round
+    from strategies.metrics import site_metrics_mean
+
+    contents = [RecordDict({"metrics": MetricRecord(m)}) for m in (
+        {"train-loss": 1.0, "partition-id": 0, "server-round": 3, "num-examples": 10,
+         "odd": [1, 2], "acc": [0.5, 1.0]},
+        {"train_loss": 3.0, "partition-id": 1, "server-round": 3, "num-examples": 30,
+         "odd": 4.0, "acc": [1.0, 0.0]})]
+    out = site_metrics_mean(contents, "num-examples")
+    # 'odd' is a list at one site: dropped this round; lists are averaged element by element
+    assert dict(out) == {"train_loss": 2.5, "acc": [0.875, 0.25]}

@@ -74,7 +74,7 @@ def stock_server_app(out: Path) -> ServerApp:
                                         sorted(comp.train_metrics_clientapp.items())]
         res["compressed_eval"] = {str(r): dict(m) for r, m in
                                   comp.evaluate_metrics_clientapp.items()}
-        res["compressed_rejected"] = dict(compressed.last_rejected)
+        res["compressed_rejected"] = dict(compressed.report.refused)
 
         plain1 = start(FlowerFedAvg(fraction_evaluate=0.0, **every), 1)
         secure = SecureAggregation(FedAvg(fraction_evaluate=0.0))

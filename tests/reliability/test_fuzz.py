@@ -8,12 +8,11 @@ import random
 
 import numpy as np
 import pytest
-from conftest import reply_message, train_reply
+from conftest import guarded_fedavg, reply_message, train_reply
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from fedagg.compression import TopK, codec
 from strategies.compressed import Compressed
-from strategies.fedavg import FedAvg
 from strategies.wire import arrays_to_record, payload_record, record_to_arrays
 
 SHAPES = [(4, 3), (3,)]
@@ -106,7 +105,7 @@ def hostile_dense(i: int, rng: np.random.Generator, node: int, server_round: int
 def test_fedavg_survives_hostile_replies(seed: int, caplog: pytest.LogCaptureFixture) -> None:
     rng = np.random.default_rng(seed)
     glob = _good(rng)
-    strategy = FedAvg(max_update_norm=1e3, min_train_nodes=1, min_available_nodes=1)
+    strategy = guarded_fedavg(max_update_norm=1e3, min_train_nodes=1, min_available_nodes=1)
     caplog.set_level(logging.WARNING, logger="strategies")
     batch, rejected, rnd = 50, 0, 5
     for start in range(0, N_FEDAVG, batch):
@@ -117,8 +116,9 @@ def test_fedavg_survives_hostile_replies(seed: int, caplog: pytest.LogCaptureFix
         random.Random(start).shuffle(mix)
         out, _ = strategy.aggregate_train(rnd, mix)
         errors_without_content = sum(1 for r in replies if r.has_error())
-        assert len(strategy.last_rejected) == batch, (start, set(range(1, batch + 1)) - set(map(int, strategy.last_rejected)))
-        rejected += len(strategy.last_rejected)
+        left_out = {**strategy.report.refused, **strategy.report.errors}  # errors: error replies
+        assert len(left_out) == batch, (start, set(range(1, batch + 1)) - set(map(int, left_out)))
+        rejected += len(left_out)
         if start % 100 == 0:  # only the good reply counts
             assert out is not None
             for a, b in zip(record_to_arrays(out)[1], glob_plus, strict=True):
@@ -127,13 +127,15 @@ def test_fedavg_survives_hostile_replies(seed: int, caplog: pytest.LogCaptureFix
             assert out is None  # nothing valid: the model stays unchanged
         assert errors_without_content >= 0
     assert rejected == N_FEDAVG
-    assert sum("rejected update" in r.getMessage() for r in caplog.records) >= N_FEDAVG
+    logged = sum("rejected update" in r.getMessage() or "error reply" in r.getMessage()
+                 for r in caplog.records)
+    assert logged >= N_FEDAVG
 
 
 def test_compressed_strategy_survives_hostile_payloads(caplog: pytest.LogCaptureFixture) -> None:
     rng = np.random.default_rng(1)
     glob = _good(rng)
-    strategy = Compressed(FedAvg(min_train_nodes=1, min_available_nodes=1), up="topk:0.5")
+    strategy = Compressed(guarded_fedavg(min_train_nodes=1, min_available_nodes=1), up="topk:0.5")
     caplog.set_level(logging.WARNING, logger="strategies")
     valid = codec.encode(TopK(0.5).compress([g * 0.1 for g in glob], rng=rng))
     rnd, batch, seen = 3, 40, 0
@@ -169,7 +171,7 @@ def test_compressed_strategy_survives_hostile_payloads(caplog: pytest.LogCapture
             replies.append(reply_message(j + 1, content))
         out, _ = strategy.aggregate_train(rnd, replies)
         # byte flips may still decode to a valid payload; everything else must be rejected
-        n_rej = len(strategy.last_rejected)
+        n_rej = len(strategy.report.refused)
         assert n_rej >= batch - sum(1 for j in range(batch) if (start + j) % 8 == 1)
         if n_rej == batch:
             assert out is None

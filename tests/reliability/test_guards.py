@@ -46,7 +46,7 @@ def test_reply_echoing_an_earlier_round_is_never_aggregated() -> None:
     out, _ = s.aggregate_train(3, [stale, fresh])
     assert out is not None
     np.testing.assert_array_equal(record_to_arrays(out)[1][0], [1.0, 1.0])
-    assert "earlier round" in s.last_rejected["1"]
+    assert "earlier round" in s.report.refused["1"]
 
 
 class _Grid:
@@ -79,7 +79,7 @@ def _round(flaky: _Flaky, retries: int) -> tuple[int, int]:
     m = build_model("mlp", ds.input_shape, ds.num_classes, seed=0)
     arrays: ArrayRecord = arrays_to_record(get_weights(m), list(m.state_dict().keys()))
     res = run_train_round(s, grid, 1, arrays, client_config(cfg), timeout=120, retries=retries)
-    return res.replies, res.exchanges
+    return res.report.replies, res.report.exchanges
 
 
 def test_transient_error_is_retried_within_deadline() -> None:

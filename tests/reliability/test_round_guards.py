@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import reply_message, train_reply
+from conftest import guarded_fedavg, reply_message, train_reply
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 from hostile import fast_app
 
@@ -50,7 +50,7 @@ def _round(strategy: Any, glob: list[np.ndarray], replies: list[Any], rnd: int =
 
 
 def test_two_weights_of_1e308_do_not_zero_the_model() -> None:
-    s = FedAvg(min_available_nodes=1)
+    s = guarded_fedavg(min_available_nodes=1)
     new = _round(s, [np.zeros(2, np.float32)], [train_reply(1, [np.ones(2, np.float32)], 1e308),
                                                  train_reply(2, [np.full(2, 3.0, np.float32)], 1e308)])
     assert new is not None
@@ -60,7 +60,7 @@ def test_two_weights_of_1e308_do_not_zero_the_model() -> None:
 @pytest.mark.parametrize(("ratio", "most"), [(10.0, 10 / 14), (0.0, 1.0)])
 def test_one_site_claiming_a_million_examples_is_capped(ratio: float, most: float) -> None:
     # the norm guard off: the liar's update is an ordinary one, only its weight lies
-    s = FedAvg(min_available_nodes=1, max_weight_ratio=ratio, norm_outlier_factor=0)
+    s = guarded_fedavg(min_available_nodes=1, max_weight_ratio=ratio, norm_outlier_factor=0)
     replies = [train_reply(i, [np.zeros(2, np.float32)], 100) for i in range(1, 5)]
     replies.append(train_reply(5, [np.ones(2, np.float32)], 1e6))
     new = _round(s, [np.zeros(2, np.float32)], replies)
@@ -68,36 +68,36 @@ def test_one_site_claiming_a_million_examples_is_capped(ratio: float, most: floa
     pulled = float(new[0][0])  # how far towards the liar's model (1.0)
     assert pulled <= most + 1e-6
     if ratio:
-        assert pulled == pytest.approx(1000 / 1400) and "5" in s.last_capped
-        assert "capped to 1000" in s.last_capped["5"]
+        assert pulled == pytest.approx(1000 / 1400) and "5" in s.report.capped
+        assert "capped to 1000" in s.report.capped["5"]
     else:
-        assert pulled > 0.999 and not s.last_capped  # the off-switch: Flower's plain mean
+        assert pulled > 0.999 and not s.report.capped  # the off-switch: Flower's plain mean
 
 
 def test_an_absolute_max_weight_refuses_the_reply() -> None:
-    s = FedAvg(min_available_nodes=1, max_weight=500)
+    s = guarded_fedavg(min_available_nodes=1, max_weight=500)
     new = _round(s, [np.zeros(2, np.float32)], [train_reply(1, [np.ones(2, np.float32)], 10),
                                                  train_reply(2, [np.ones(2, np.float32)], 501)])
-    assert new is not None and "strategy.max_weight" in s.last_rejected["2"]
+    assert new is not None and "strategy.max_weight" in s.report.refused["2"]
 
 
 @pytest.mark.parametrize("factor", [10.0, 0.0])
 def test_a_norm_bomb_is_refused_by_the_median_guard(factor: float) -> None:
-    s = FedAvg(min_available_nodes=1, norm_outlier_factor=factor)
+    s = guarded_fedavg(min_available_nodes=1, norm_outlier_factor=factor)
     rng = np.random.default_rng(0)
     replies = [train_reply(i, [rng.normal(0, 0.01, 4).astype(np.float32)], 10) for i in range(1, 5)]
     replies.append(train_reply(5, [np.full(4, 1e4, np.float32)], 10))
     new = _round(s, [np.zeros(4, np.float32)], replies)
     assert new is not None
     if factor:
-        assert "norm_outlier_factor" in s.last_rejected["5"] and np.abs(new[0]).max() < 0.1
+        assert "norm_outlier_factor" in s.report.refused["5"] and np.abs(new[0]).max() < 0.1
     else:
-        assert "5" not in s.last_rejected and np.abs(new[0]).max() > 1e3
+        assert "5" not in s.report.refused and np.abs(new[0]).max() > 1e3
 
 
 def test_flt_max_deltas_never_make_the_compressed_model_infinite() -> None:
     """The issue's two rounds of FLT_MAX deltas under the compressed default config."""
-    s = Compressed(FedAvg(min_available_nodes=1), up="topk:0.5")
+    s = Compressed(guarded_fedavg(min_available_nodes=1), up="topk:0.5")
     glob = [np.zeros(4, np.float32)]
     for rnd in (1, 2):
         replies = []
@@ -110,17 +110,17 @@ def test_flt_max_deltas_never_make_the_compressed_model_infinite() -> None:
                 "metrics": MetricRecord({"num-examples": 10, "server-round": rnd})})))
         new = _round(s, glob, replies, rnd)
         assert new is not None and np.isfinite(new[0]).all() and np.abs(new[0]).max() < 1
-        assert "norm_outlier_factor" in s.last_rejected["5"]
+        assert "norm_outlier_factor" in s.report.refused["5"]
         glob = new
 
 
 def test_a_refused_model_leaves_no_trace_in_the_momentum() -> None:
-    guarded = FedAvg(min_available_nodes=1, server_optimizer="momentum", max_model_change=5.0)
-    fresh = FedAvg(min_available_nodes=1, server_optimizer="momentum")
+    guarded = guarded_fedavg(min_available_nodes=1, server_optimizer="momentum", max_model_change=5.0)
+    fresh = guarded_fedavg(min_available_nodes=1, server_optimizer="momentum")
     g = [np.zeros(2, np.float32)]
     bomb = [train_reply(1, [np.full(2, 100.0, np.float32)], 1)]
     assert _round(guarded, g, bomb) is None
-    assert "max_model_change" in guarded.last_rejected["server"]
+    assert "max_model_change" in guarded.report.refused["server"]
     ok = [train_reply(1, [np.ones(2, np.float32)], 1)]
     a, b = _round(guarded, g, ok, 2), _round(fresh, g, ok, 2)
     assert a is not None and b is not None
@@ -128,45 +128,45 @@ def test_a_refused_model_leaves_no_trace_in_the_momentum() -> None:
 
 
 def test_momentum_that_would_overflow_is_refused_and_rolled_back() -> None:
-    s = FedAvg(min_available_nodes=1, server_optimizer="momentum", server_lr=3.0,
+    s = guarded_fedavg(min_available_nodes=1, server_optimizer="momentum", server_lr=3.0,
                norm_outlier_factor=0)
     g = [np.full(2, FLT_MAX / 2, np.float32)]
     assert _round(s, g, [train_reply(1, [np.full(2, FLT_MAX, np.float32)], 1)]) is None
-    assert "not finite" in s.last_rejected["server"]
+    assert "not finite" in s.report.refused["server"]
     assert s.optimizer.snapshot() == (0, None, None)
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -1, 2.5, 2**40, [1, 2]])
 def test_a_bad_partition_id_rejects_that_reply_not_the_round(value: Any) -> None:
-    s = FedAvg(min_available_nodes=1)
+    s = guarded_fedavg(min_available_nodes=1)
     new = _round(s, [np.zeros(2, np.float32)], [
         train_reply(1, [np.ones(2, np.float32)], 10, **{"partition-id": 0}),
         train_reply(2, [np.full(2, 9.0, np.float32)], 10, **{"partition-id": value})])
-    assert new is not None and "partition-id" in s.last_rejected["2"]
+    assert new is not None and "partition-id" in s.report.refused["2"]
     np.testing.assert_array_equal(new[0], [1.0, 1.0])
 
 
 def test_a_metric_sent_as_a_list_by_one_site_does_not_break_the_round() -> None:
-    s = FedAvg(min_available_nodes=1)
+    s = guarded_fedavg(min_available_nodes=1)
     g = [np.zeros(2, np.float32)]
     s.configure_train(1, arrays_to_record(g), ConfigRecord(), _Grid(3))
     out, metrics = s.aggregate_train(1, [
         train_reply(1, [np.ones(2, np.float32)], 10, train_loss=0.5, eval_acc=0.9),
         train_reply(2, [np.ones(2, np.float32)], 10, train_loss=0.7, eval_acc=0.8),
         train_reply(3, [np.ones(2, np.float32)], 10, train_loss=[1.0, 2.0], eval_acc=float("nan"))])
-    assert out is not None and metrics is not None and not s.last_rejected
+    assert out is not None and metrics is not None and not s.report.refused
     assert "train_loss" not in metrics and "eval_acc" not in metrics  # not comparable this round
 
 
 @pytest.mark.parametrize(("echo", "ok"), [(1, True), (1.0, True), (0, False), (float("nan"), False),
                                           ([1], False), ([1.0, 2.0], False)])
 def test_the_round_echo_is_an_integer_equal_to_the_round(echo: Any, ok: bool) -> None:
-    s = FedAvg(min_available_nodes=1)
+    s = guarded_fedavg(min_available_nodes=1)
     new = _round(s, [np.zeros(2, np.float32)],
                  [train_reply(1, [np.ones(2, np.float32)], 10, **{"server-round": echo})])
     assert (new is not None) == ok
     if not ok:
-        assert "server-round" in s.last_rejected["1"]
+        assert "server-round" in s.report.refused["1"]
 
 
 def test_guard_functions_oracle() -> None:

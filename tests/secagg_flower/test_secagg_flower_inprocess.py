@@ -89,9 +89,9 @@ def test_dropout_before_upload_matches_plain_fedavg_of_survivors(how: str) -> No
         assert _max_diff(rs.arrays, ra.arrays) <= _bound(rs), rnd
         assert rs.metrics is not None
         counted = 4 if rnd == 2 else 5
-        assert rs.metrics["secagg-counted"] == counted and rs.replies == counted
-        assert rs.metrics["secagg-dropped"] == 5 - counted and rs.failures == 5 - counted
-        exchanges.append(rs.exchanges)
+        assert rs.metrics["secagg-counted"] == counted and rs.report.replies == counted
+        assert rs.metrics["secagg-dropped"] == 5 - counted and rs.report.failures == 5 - counted
+        exchanges.append(rs.report.exchanges)
         if rnd == 2:
             # The oracle is sharp: had the dropped site been counted, the model would differ
             # by far more than the bound.
@@ -113,7 +113,7 @@ def test_dropout_after_upload_is_still_counted() -> None:
     ra = _round(build_strategy(cfg_avg), InProcessGrid(app, 5), 1, _initial(cfg_sec), cfg_avg)
     assert rs.arrays is not None and ra.arrays is not None and rs.metrics is not None
     assert rs.metrics["secagg-counted"] == 5 and rs.metrics["secagg-dropped"] == 0
-    assert rs.failures == 1  # it failed the unmask exchange, but its upload counts
+    assert rs.report.failures == 1  # it failed the unmask exchange, but its upload counts
     assert _max_diff(rs.arrays, ra.arrays) <= _bound(rs)
 
 
@@ -128,11 +128,11 @@ def test_too_few_live_neighbours_aborts_cleanly_and_the_run_continues() -> None:
     assert r1.arrays is not None
     r2 = _round(secure, grid, 2, r1.arrays, cfg)
     assert r2.arrays is None and r2.metrics is None  # aborted: the runner keeps the model
-    assert r2.exchanges == 1 and r2.failures == 1  # aborted before any share was revealed
+    assert r2.report.exchanges == 1 and r2.report.failures == 1  # aborted before any share was revealed
     assert isinstance(secure, SecureAggregation) and secure.history_log[-1]["aborted"]
     assert "live holders" in secure.history_log[-1]["reason"]
     r3 = _round(secure, grid, 3, r1.arrays, cfg)
-    assert r3.arrays is not None and r3.exchanges == 4 and r3.replies == 5
+    assert r3.arrays is not None and r3.report.exchanges == 4 and r3.report.replies == 5
 
 
 def test_site_reply_holds_only_the_masked_upload_and_secrets_stay_local(
@@ -173,7 +173,7 @@ def test_site_reply_holds_only_the_masked_upload_and_secrets_stay_local(
     # headers); the words are over INLINE_BYTES here, so they travel as an array
     up = secure.history_log[-1]["bytes_up"]  # the wrapper's own exchanges
     assert set(up) == {"setup", "unmask"}
-    upload = (result.bytes_up - up["setup"] - up["unmask"]) / 5  # the train replies
+    upload = (result.report.bytes_up - up["setup"] - up["unmask"]) / 5  # the train replies
     words = 4 * packed_words(dim + 1, bits)
     assert words > INLINE_BYTES
     assert words < upload <= words + 2048, upload - words  # measured: words + 1,823 B (5 sites)

@@ -29,7 +29,7 @@ from fedagg.secagg import (
 from fedagg.secagg.shamir import NUM_LIMBS
 from server.inprocess import wire_roundtrip
 from strategies.registry import build_strategy
-from strategies.secure import flatten_arrays, resolve_params, unflatten_like
+from strategies.secure_params import flatten_arrays, resolve_params, unflatten_like
 from strategies.wire import (
     ARRAYS_KEY,
     CONFIG_KEY,

@@ -172,7 +172,7 @@ def test_masked_sketch_sum_is_the_integer_sketch_of_the_sum_and_top_k_is_naive(
         assert res.arrays is not None and res.metrics is not None
         result = secure.last_result
         counted = list(result.counted)
-        assert len(counted) == (4 if rnd == 2 else 5) and res.replies == len(counted)
+        assert len(counted) == (4 if rnd == 2 else 5) and res.report.replies == len(counted)
         assert res.metrics["secagg-values"] == cs.size  # the table is what is masked
         by_site = dict(zip(rec.sites, rec.inputs, strict=True))
         q_sum = np.zeros(dim, np.int64)
@@ -262,7 +262,7 @@ def test_secure_vote_sum_is_the_naive_count_and_the_support_follows_it(
         assert not np.delete(step, support).any()
         # every byte of the vote is in the masked upload: [values | packed votes | weight]
         bits = result.ring_bits
-        layout = secure._round["layout"]  # type: ignore[index]
+        layout = secure._round.layout  # type: ignore[union-attr]
         assert layout.vote_elements == -(-512 // (bits // layout.vote_bits))
         for site, vector in rec.vectors.items():
             packed = vector[layout.values:layout.values + layout.vote_elements]

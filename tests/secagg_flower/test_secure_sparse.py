@@ -89,7 +89,7 @@ def test_secure_sparse_equals_plaintext_on_the_same_support_with_a_dropout(suppo
         rp = _round(plain, g_pl, rnd, arrays, cfg_pl)
         assert rs.arrays is not None and rp.arrays is not None and rs.metrics is not None
         counted = 4 if rnd == 2 else 5
-        assert rs.metrics["secagg-counted"] == counted and rs.replies == counted
+        assert rs.metrics["secagg-counted"] == counted and rs.report.replies == counted
         assert secure.last_support is not None
         assert rs.metrics["secagg-values"] == secure.last_support.size  # only the support
         assert abs(secure.last_support.size - k) <= 1
@@ -165,7 +165,7 @@ def test_residual_persists_and_the_upload_is_only_the_masked_support_values() ->
     assert np.abs(residuals[0]).max() > 0
     assert not np.array_equal(residuals[0], residuals[1])
     own = secure.history_log[-1]["bytes_up"]  # the wrapper's own exchanges (no setup in round 2)
-    up = (last.bytes_up - sum(own.values())) / 5  # the train replies
+    up = (last.report.bytes_up - sum(own.values())) / 5  # the train replies
     payload = 4 * packed_words(k + 1, bits)  # k values + weight at b bits
     assert payload < up <= payload + 4096  # plus keys / shares / headers
 
@@ -222,9 +222,9 @@ def test_a_replayed_reply_from_an_earlier_exchange_is_refused() -> None:
     grid.replay = True
     r2 = _round(secure, grid, 2, r1.arrays, cfg)
     assert r2.arrays is not None and r2.metrics is not None
-    assert r2.failures == 0 and r2.metrics["secagg-counted"] == 5
-    assert len(r2.rejected) == 2  # the replayed upload and the replayed unmask reply
-    assert all("stale or foreign" in why for why in r2.rejected.values())
+    assert r2.report.failures == 0 and r2.metrics["secagg-counted"] == 5
+    assert len(r2.report.refused) == 2  # the replayed upload and the replayed unmask reply
+    assert all("stale or foreign" in why for why in r2.report.refused.values())
     # the replayed unmask reply is refused by the wrapper's own exchange, the replayed upload by
     # the round driver (fedagg's loop; Flower's own loop returns only replies to its messages)
-    assert sorted(why.split(":")[0].split()[0] for why in r2.rejected.values()) == ["node", "unmask"]
+    assert sorted(why.split(":")[0].split()[0] for why in r2.report.refused.values()) == ["node", "unmask"]

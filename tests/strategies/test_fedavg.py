@@ -82,15 +82,15 @@ def test_bad_reply_is_excluded_and_model_unchanged_when_alone(bad: str) -> None:
         bad_reply = reply_message(2, RecordDict({"arrays": arrays_to_record(arrays)}))
     else:
         bad_reply = train_reply(2, arrays, weight)
-    s = FedAvg(max_update_norm=100.0)
+    s = FedAvg(max_update_norm=100.0, isolate_replies=True)
     _configure(s, g)
     out, _ = s.aggregate_train(1, [good, bad_reply])
     assert out is not None
     np.testing.assert_array_equal(record_to_arrays(out)[1][0], np.ones(3, np.float32))
     if bad != "error":
-        assert "2" in s.last_rejected
+        assert "2" in s.report.refused
     # alone, the bad reply leaves the model unchanged (no arrays returned)
-    s2 = FedAvg(max_update_norm=100.0)
+    s2 = FedAvg(max_update_norm=100.0, isolate_replies=True)
     _configure(s2, g)
     assert s2.aggregate_train(1, [bad_reply]) == (None, None)
 
@@ -138,14 +138,14 @@ def test_float64_reply_is_cast_as_flower_would_and_strict_mode_refuses_it() -> N
     s = FedAvg()
     _configure(s, g)
     out, _ = s.aggregate_train(1, [a, b])
-    assert out is not None and not s.last_rejected
+    assert out is not None and not s.report.refused
     got = record_to_arrays(out)[1][0]
     assert got.dtype == np.float32
     np.testing.assert_allclose(got, np.full(3, 2.5, np.float32))
     strict = FedAvg(strict_dtypes=True)
     _configure(strict, g)
     out, _ = strict.aggregate_train(1, [a, b])
-    assert "2" in strict.last_rejected and "strict_dtypes" in strict.last_rejected["2"]
+    assert "2" in strict.report.refused and "strict_dtypes" in strict.report.refused["2"]
     np.testing.assert_array_equal(record_to_arrays(out)[1][0], np.ones(3, np.float32))
 
 
@@ -172,6 +172,6 @@ def test_a_non_finite_value_is_refused_by_the_fold_and_leaves_no_trace(
     assert alone is not None and out is not None
     for a, b in zip(record_to_arrays(alone)[1], record_to_arrays(out)[1], strict=True):
         np.testing.assert_array_equal(a, b)  # bit for bit: the refused fold left nothing
-    assert list(s.last_rejected) == ["2"]
-    why = s.last_rejected["2"]
+    assert list(s.report.refused) == ["2"]
+    why = s.report.refused["2"]
     assert "node 2.arrays[1]" in why and "1 non-finite values" in why, why
