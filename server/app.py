@@ -16,6 +16,7 @@ from typing import Any
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import Strategy
 
 from fedagg.config import RunConfig, unflatten, validate_model
 from server.runner import EvaluateFn, ModelFn, RoundCallback, run_server
@@ -53,11 +54,14 @@ def make_app(
     on_round: RoundCallback | None = None,
     model_fn: ModelFn | None = None,
     evaluate_fn: EvaluateFn | None = None,
+    strategy: Strategy | None = None,
 ) -> ServerApp:
     """A ServerApp bound to ``cfg`` (``fedagg simulate``), or reading Flower's run config.
 
     ``model_fn`` / ``evaluate_fn``: the user's model factory and centralized evaluation (see
     :func:`server.runner.run_server`); the built-in model and test split by default.
+    ``strategy``: a strategy object of the user's for fedagg's synchronous loop (default: the
+    run config's).
     """
     server_app = ServerApp()
 
@@ -71,12 +75,15 @@ def make_app(
         else:
             out = new_run_dir(run_cfg)
         _log.info("fedagg run writing to %s", out)
-        loop = run_server
+        logger = on_round if on_round is not None else _round_logger(run_cfg.run.rounds)
         if run_cfg.asynchronous.mode != "off":  # FedBuff / deadline rounds (docs/asynchronous.md)
-            from server.asynchronous import run_async_server as loop
-        loop(grid, run_cfg, out,
-             on_round=on_round if on_round is not None else _round_logger(run_cfg.run.rounds),
-             model_fn=model_fn, evaluate_fn=evaluate_fn)
+            from server.asynchronous import run_async_server
+
+            run_async_server(grid, run_cfg, out, on_round=logger, model_fn=model_fn,
+                             evaluate_fn=evaluate_fn)
+            return
+        run_server(grid, run_cfg, out, on_round=logger, model_fn=model_fn,
+                   evaluate_fn=evaluate_fn, strategy=strategy)
 
     return server_app
 

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
 
 from fedagg.aggregate import model_change_problem
 from fedagg.config import RunConfig, config_hash
@@ -268,6 +269,7 @@ def round_summary(rnd: int, result: RoundResult) -> str:
 def run_server(
     grid: Grid, cfg: RunConfig, run_dir: str | Path | None, *, on_round: RoundCallback | None = None,
     model_fn: ModelFn | None = None, evaluate_fn: EvaluateFn | None = None,
+    strategy: Strategy | None = None, train_config: ConfigRecord | None = None,
 ) -> list[dict[str, Any]]:
     """Run ``cfg.run.rounds`` rounds; return the per-round records (also written to run_dir).
 
@@ -287,6 +289,13 @@ def run_server(
     evaluate_fn : callable, optional
         Centralized evaluation of the global model; default: the built-in data set's test
         split (with the built-in model), none with ``model_fn``.
+    strategy : Strategy, optional
+        A strategy object of the user's (any Flower Message-API strategy, fedagg's wrappers
+        around it, Flower's wrappers around those); default: the run config's
+        (:func:`strategies.build_strategy`).
+    train_config : ConfigRecord, optional
+        Keys added to every train message's config (as ``Strategy.start``'s
+        ``train_config``: what the user's ClientApp reads, e.g. ``"lr"``).
 
     Raises
     ------
@@ -294,7 +303,7 @@ def run_server(
         No round aggregated anything (after writing the outputs): each round's reasons.
     """
     model, keys, arrays = _initial(cfg, model_fn)
-    strategy = build_strategy(cfg)
+    strategy = strategy if strategy is not None else build_strategy(cfg)
     out = Path(run_dir) if run_dir else None
     central_eval: EvaluateFn | None = evaluate_fn
     if central_eval is None and model_fn is None:
@@ -368,7 +377,10 @@ def run_server(
         memory = PeakMemory()  # this round's server-process peak RSS
         memory.start()
         try:
-            result = run_train_round(strategy, grid, rnd, arrays, client_config(cfg),
+            config = client_config(cfg)
+            for key, value in (train_config or {}).items():
+                config[key] = value
+            result = run_train_round(strategy, grid, rnd, arrays, config,
                                      round_deadline(cfg, rnd), retries=cfg.run.retries)
         except ConfigError:  # the run cannot work as configured: no later round would either
             raise

@@ -318,8 +318,11 @@ def run_train_round(
                               rebuild=rebuild, log=ex)
     aggregate = (strategy.aggregate_stream if isinstance(strategy, FedaggStrategy)
                  else strategy.aggregate_train)
+    edge = _edge_codec(strategy)
+    stream: Iterable[Message] = (replies if edge is None
+                                 else edge.edge_decoded(server_round, replies))
     try:  # the strategy takes the replies as they arrive (a generator, never listed here)
-        new_arrays, metrics = aggregate(server_round, replies)
+        new_arrays, metrics = aggregate(server_round, stream)
     finally:  # what it did not take (it stopped early, or raised) is received and dropped,
         for _ in replies:  # so no reply of this round is left behind on the Grid
             pass
@@ -327,6 +330,8 @@ def run_train_round(
     report = RoundReport(sampled=len(messages))
     if isinstance(strategy, FedaggStrategy):
         report.merge(strategy.report)
+    if edge is not None:
+        report.merge(edge.report)
     ex.into(report)
     report.replies = ex.ok
     report.sampled = max(report.sampled, len(messages))
@@ -334,6 +339,23 @@ def run_train_round(
     report.add_time("exchange", ex.seconds)
     report.add_time("aggregate", max(t3 - t1 - ex.seconds, 0.0))
     return RoundResult(arrays=new_arrays, metrics=metrics, report=report)
+
+
+def _edge_codec(strategy: Strategy) -> Any:
+    """The compressed strategy whose replies fedagg's loop must decode before ``strategy``
+    sees them: one below a Flower wrapper that reads models from the replies (server-side DP
+    clipping). None when the outermost compressing strategy is fedagg's own (it decodes)."""
+    from strategies.compressed import Compressed
+    from strategies.wrapper import wrapped
+
+    below = wrapped(strategy) if not isinstance(strategy, FedaggStrategy) else None
+    while below is not None:
+        if isinstance(below, Compressed) and not below.spec.dense:
+            return below
+        if isinstance(below, FedaggStrategy):
+            return None
+        below = wrapped(below)
+    return None
 
 
 def run_evaluate_round(strategy: Strategy, grid: Grid, server_round: int, arrays: ArrayRecord,

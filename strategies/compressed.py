@@ -69,6 +69,7 @@ from strategies.wrapper import (
     inner_aggregate,
     is_linear,
     model_record_key,
+    model_replies,
     record_keys,
     streams_updates,
 )
@@ -219,6 +220,7 @@ class Compressed(StrategyWrapper):
     state_namespace: str
     _current: tuple[list[str], list[np.ndarray]] | None
     _encoded: list[int]
+    _edge: bool
 
     def __init__(self, inner: Strategy | None = None, *, up: str = "none", down: str = "none",
                  support: str = "reveal-indices", seed: int | None = None,
@@ -255,6 +257,7 @@ class Compressed(StrategyWrapper):
                     "a sparsifier that sends per-site updates"))
         self._current = None
         self._encoded = []
+        self._edge = False
 
     @property
     def spec(self) -> UploadSpec:
@@ -298,6 +301,7 @@ class Compressed(StrategyWrapper):
         if self._plaintext_error:
             raise ConfigError(self._plaintext_error)
         self._new_round()
+        self._edge = False
         messages = list(self.inner.configure_train(server_round, arrays, config, grid))
         self.report.sampled = len(messages)
         keys, exact = record_to_arrays(arrays)
@@ -367,15 +371,64 @@ class Compressed(StrategyWrapper):
         before the next, so nothing is listed. A Flower strategy as ``inner`` gets the list
         of replies the deltas imply, as Flower hands them over.
         """
+        if self.spec.up == "none" and self.spec.down == "none":
+            # nothing is compressed: the replies are the inner strategy's, exactly as Flower
+            # hands them over (checked against the model sent, when there is one)
+            checked = self._checked(server_round, replies)
+            if streams_updates(self.inner):  # fedagg's FedAvg folds them as they come
+                return self.inner.aggregate_train(server_round, checked)
+            return self.inner.aggregate_train(server_round, list(checked))
         if self._current is None:
-            raise RuntimeError("aggregate_train called before configure_train")
+            raise RuntimeError(explain("Compressed.aggregate_train", "called before "
+                                       "configure_train", "the compressed replies are decoded "
+                                       "against the model configure_train sent",
+                                       "call configure_train for the round first"))
         keys, current = self._current
-        stream = not self.spec.sketch and streams_updates(self.inner)
-        good = self.decoded(server_round, replies, sparse=stream)
+        if self._edge:  # decoded at the edge into plain model replies (see edge_decoded)
+            good: Iterable[Update] = self._plain(server_round, replies)
+        else:
+            stream = not self.spec.sketch and streams_updates(self.inner)
+            good = self.decoded(server_round, replies, sparse=stream)
         if self.spec.sketch:
             return self._aggregate_sketches(server_round, list(good))
         return inner_aggregate(self.inner, server_round, good, keys, current, self.report,
                                guards=self.guards)
+
+    def edge_decoded(self, server_round: int, replies: Iterable[Message]) -> Iterator[Message]:
+        """The replies as plain model replies (``global + delta``, the site's metrics), for a
+        strategy above this one that reads models from replies (Flower's server-side DP
+        clipping): fedagg's round loop decodes at the edge, and this strategy's own
+        ``aggregate_train`` then takes the plain replies it is handed. Refused replies are
+        named in :attr:`report` and left out."""
+        assert self._current is not None, "edge decoding before configure_train"
+        keys, current = self._current
+        self._edge = True
+        updates = self.decoded(server_round, replies)
+        yield from model_replies(updates, current, keys, self.inner)
+
+    def _plain(self, server_round: int, replies: Iterable[Message]) -> Iterator[Update]:
+        """Edge-decoded replies (plain models against the exact global model): their deltas."""
+        assert self._current is not None
+        keys, current = self._current
+        codec = PlainCodec(keys=keys, reference=current, weight_key=self.codec.weight_key,
+                           max_norm=self.codec.max_norm, max_weight=self.codec.max_weight)
+        for reply in replies:
+            try:
+                u = codec.decode(reply)
+            except UpdateRejected as exc:
+                self.report.refuse(str(node_of(reply)), f"round {server_round}: {exc}")
+                continue
+            yield u.replace(tensors=[np.subtract(a, c, dtype=np.float64) for a, c in
+                                     zip(u.tensors, current, strict=True)], kind="delta")
+
+    def _checked(self, server_round: int, replies: Iterable[Message]) -> Iterator[Message]:
+        """Plain replies that pass the per-reply checks (all of them before configure_train)."""
+        if self._current is None:
+            yield from replies
+            return
+        for update in self.decoded(server_round, replies):
+            assert update.reply is not None
+            yield update.reply
 
     def decoded(self, server_round: int, replies: Iterable[Message], *, sparse: bool = False
                 ) -> Iterator[Update]:

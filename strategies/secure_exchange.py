@@ -56,6 +56,8 @@ class SiteExchange:
         self.plain_replies = 0
         """Replies of this round that carry a plain model instead of a protocol message (the
         site's ClientApp does not run ``clients.fedagg_mod``)."""
+        self.error_replies: list[str] = []
+        """The error replies of the last exchange (their reasons)."""
 
     def new_round(self, grid: Grid) -> RoundReport:
         """Start a round on ``grid``; returns its (fresh) report."""
@@ -105,8 +107,10 @@ class SiteExchange:
             if m.metadata.dst_node_id not in answered:
                 self.fail(m.metadata.dst_node_id, f"{phase}: no reply within {timeout:.0f} s")
         ok = []
+        self.error_replies = []
         for r in replies:
             if r.has_error():
+                self.error_replies.append(r.error.reason or "error reply")
                 self.fail(r.metadata.src_node_id, f"{phase}: {r.error.reason}")
                 continue
             size = message_nbytes(r)

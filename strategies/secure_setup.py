@@ -101,13 +101,19 @@ class KeySetup:
         msgs = [self.link.message(n, i, "advertise", request, config, group, t)
                 for n, i in idx.items()]
         replies = self.link.run(msgs, t, "setup")
+        errors = list(self.link.error_replies)
         for reply in replies:
             self.link.receive(reply, KeyAdvertise, idx, self.server.receive_advertise,
                               "advertise")
-        if replies and self.link.plain_replies == len(replies):
+        answered = len(replies) + len(errors)
+        if answered and self.link.plain_replies + len(errors) == answered:
+            # every site answered, none with a protocol message: they cannot take part at all
+            seen = (f"a plain model ({self.link.plain_replies} of {answered})"
+                    if self.link.plain_replies else f"errors, e.g. {errors[0][:200]!r}")
             raise ConfigError(explain(
-                "the sites' ClientApp", "answers secure-aggregation messages with a plain model",
-                "SecureAggregation needs clients.fedagg_mod at every site",
+                "the sites' answers to the key setup", seen,
+                "SecureAggregation needs clients.fedagg_mod at every site (its ClientApp "
+                "must answer secure-aggregation messages)",
                 "add the mod: ClientApp(mods=[clients.fedagg_mod]), or build the app with "
                 "clients.make_client_app(task)"))
         share_requests = self.server.close_advertise()  # AbortRound when < 2 sites advertised

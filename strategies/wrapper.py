@@ -40,8 +40,8 @@ from strategies.guards import guard_updates
 from strategies.update import RoundReport, Update
 from strategies.wire import arrays_to_record
 
-__all__ = ["NO_GUARDS", "StrategyWrapper", "UpdateConsumer", "inner_aggregate", "is_linear",
-           "model_record_key", "streams_updates"]
+__all__ = ["FLOWER_WRAPPERS", "NO_GUARDS", "StrategyWrapper", "UpdateConsumer", "inner_aggregate",
+           "is_linear", "model_record_key", "model_replies", "streams_updates", "wrapped"]
 
 _log = logging.getLogger(__name__)
 
@@ -53,6 +53,23 @@ _FLOWER_LINEAR = tuple(getattr(flwr_strategy, n) for n in (
     if hasattr(flwr_strategy, n))
 _FLOWER_PASS_THROUGH = tuple(getattr(flwr_strategy, n) for n in (
     "DifferentialPrivacyClientSideFixedClipping",) if hasattr(flwr_strategy, n))
+
+
+FLOWER_WRAPPERS = tuple(getattr(flwr_strategy, n) for n in (
+    "DifferentialPrivacyServerSideFixedClipping", "DifferentialPrivacyClientSideFixedClipping",
+    "DifferentialPrivacyServerSideAdaptiveClipping", "DifferentialPrivacyClientSideAdaptiveClipping")
+    if hasattr(flwr_strategy, n))
+"""Flower's wrapper strategies: each keeps the strategy it wraps in ``.strategy``."""
+
+
+def wrapped(strategy: Strategy) -> Strategy | None:
+    """The strategy ``strategy`` wraps (fedagg's wrappers and Flower's), or None."""
+    if isinstance(strategy, StrategyWrapper):
+        return strategy.inner
+    if isinstance(strategy, FLOWER_WRAPPERS):
+        inner: Strategy = strategy.strategy
+        return inner
+    return None
 
 
 @runtime_checkable
@@ -136,7 +153,7 @@ def record_keys(inner: Strategy) -> tuple[str, str, str]:
     return "num-examples", "arrays", "config"
 
 
-def _model_replies(updates: Iterable[Update], current: list[np.ndarray], keys: list[str],
+def model_replies(updates: Iterable[Update], current: list[np.ndarray], keys: list[str],
                    inner: Strategy) -> Iterator[Message]:
     """The train reply each update implies: its model (``current + delta``) and its weight,
     the site's other metrics as it sent them, the reply's own metadata."""
@@ -195,7 +212,7 @@ def inner_aggregate(inner: Strategy, server_round: int, updates: Iterable[Update
                                rejected=report.refused, capped=report.capped)
     if not listed:
         return None, None
-    replies = list(_model_replies(listed, current, keys, inner))
+    replies = list(model_replies(listed, current, keys, inner))
     result: tuple[ArrayRecord | None, MetricRecord | None] = inner.aggregate_train(
         server_round, replies)
     if isinstance(inner, FedaggStrategy):

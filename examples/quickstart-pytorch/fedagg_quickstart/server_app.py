@@ -6,7 +6,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedagg_quickstart.task import Net
-from strategies import FedAvg, SecureAggregation
+from strategies import Compressed, FedAvg, SecureAggregation
 
 app = ServerApp()
 
@@ -15,8 +15,8 @@ app = ServerApp()
 def main(grid: Grid, context: Context) -> None:
     """Secure aggregation of TopK + error-feedback updates around fedagg's FedAvg."""
     rounds = int(context.run_config.get("num-server-rounds", 3))
-    strategy = SecureAggregation(FedAvg(fraction_evaluate=1.0, min_available_nodes=3),
-                                 up="topk:0.1+ef", support="random")
+    strategy = SecureAggregation(Compressed(FedAvg(fraction_evaluate=1.0, min_available_nodes=3),
+                                            up="topk:0.1+ef", support="random"))
     config = ConfigRecord({"lr": float(context.run_config.get("lr", 0.05)),
                            "train.local_epochs": int(context.run_config.get("local-epochs", 1)),
                            "site.workers": int(context.run_config.get("site.workers", 2))})
