@@ -161,7 +161,7 @@ def test_secure_aggregation_without_the_client_mod_fails_before_any_round_with_t
                              "run.wait_for_sites=0", "run.checkpoint=false"])
     grid = InProcessGrid(quickstart_app.make_app(), SITES, seed=1)
     strategy = SecureAggregation(FedAvg(fraction_evaluate=0.0, min_available_nodes=SITES))
-    with pytest.raises(ConfigError, match="clients.fedagg_mod"):
+    with pytest.raises(ConfigError, match=r"clients\.fedagg_mod"):
         run_server(grid, cfg, tmp_path, model_fn=quickstart_app.Net, strategy=strategy,
                    train_config=ConfigRecord({"lr": 0.05}))
     assert not (tmp_path / "metrics.json").exists() or json.loads(

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from conftest import reply_message, train_reply
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import RdpAccountant
 from flwr.serverapp.exception import InconsistentMessageReplies
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from flwr.serverapp.strategy import FedAvgM, FedTrimmedAvg
 from flwr.serverapp.strategy import dp_fixed_clipping as flower_dp
-from flwr.serverapp import RdpAccountant
 from flwr.supercore.privacy_accounting import NeighboringRelation, PrivacyConfig, SamplingMethod
 from hypothesis import given, settings
 from hypothesis import strategies as st
