@@ -194,7 +194,7 @@ double fedagg_sumsq_f32(const float *x, const float *r, int64_t n) {
     return (ss[0] + ss[1]) + (ss[2] + ss[3]);
 }
 
-/* The mean of tensor elements [0, n) from the canonical limbs (fedagg/accumulate/exact_results.py
+/* The mean of tensor elements [0, n) from the canonical limbs (fedagg/accumulate/exact.py,
  * mean()): v = hi * 2**31 + lo (hi NULL: v = lo) in float64, times 2**exponent (`scale`), divided
  * by the total weight, rounded to the output type; the same operations in the same order as the
  * NumPy path, so the same bits (hi * 2**31 is exact, so a fused multiply-add changes nothing).

@@ -46,8 +46,11 @@ without a trace (used to drop a reply that a whole-round check refuses after it 
 and :meth:`Accumulator.merge` adds two accumulators of disjoint sites exactly (tree or
 parallel reductions).
 
-The tensor types and the grid are in :mod:`fedagg.accumulate.grid`, the accumulator's
-plain-data state in :mod:`fedagg.accumulate.exact_state` (names re-exported here).
+The tensor types and the grid are in :mod:`fedagg.accumulate.grid`. The accumulator's results
+(:meth:`Accumulator.mean`, :meth:`~Accumulator.mean_npy`, :meth:`~Accumulator.sums`: the limbs
+brought to their canonical form and read block by block, one rounding per element) and its
+plain-data state (:meth:`~Accumulator.state_dict`) are methods of the one class: they read the
+limbs it writes.
 """
 
 from __future__ import annotations
@@ -60,9 +63,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from fedagg.accumulate import exact_results, native
-from fedagg.accumulate.exact_results import _LIMB
-from fedagg.accumulate.exact_state import dump_state, load_state
+from fedagg.accumulate import native
 from fedagg.accumulate.grid import (
     BLOCK,
     DEFAULT_PRECISION_BITS,
@@ -70,20 +71,18 @@ from fedagg.accumulate.grid import (
     TensorSpec,
     TensorUpdate,
     grid_exponents,
-    max_abs,
 )
 from fedagg.errors import ConfigError, NonFiniteUpdate, UpdateRejected, explain
+from fedagg.npy import npy_header, writable_bytes
 
-__all__ = [
-    "BLOCK",
-    "DEFAULT_PRECISION_BITS",
-    "Accumulator",
-    "Sparse",
-    "TensorSpec",
-    "TensorUpdate",
-    "grid_exponents",
-    "max_abs",
-]
+__all__ = ["MEAN_STEP", "Accumulator"]
+
+MEAN_STEP = 1 << 13
+"""Elements per step of :meth:`Accumulator.mean` (its one float64 buffer; the peak of a round's
+end is the accumulator + the mean being written + this)."""
+_LIMB = 31
+"""A carry moves ``lo >> 31`` into the high limb, leaving ``0 <= lo < 2**31``."""
+_STATE_VERSION = 1
 
 _LO_MAX = 1 << 62
 """Partial sums of the low limb stay below this (int64 holds up to ``2**63 - 1``)."""
@@ -469,16 +468,120 @@ class Accumulator:
             np.subtract(view, carry, out=view)
         self._bound[j] = (1 << _LIMB) - 1
 
-    # -- results (fedagg.accumulate.exact_results) ------------------------------------------
-    _sum_f64 = exact_results.sum_f64
-    sums = exact_results.sums
-    mean = exact_results.mean
-    mean_npy = exact_results.mean_npy
+    # -- results ---------------------------------------------------------------------------
+    def _sum_f64(self, j: int, out: npt.NDArray[np.float64], s: int) -> None:
+        """The exact sum of tensor j's block at ``s``, rounded to float64 (canonical)."""
+        lo = self._lo[j][s:s + out.size]
+        hi = self._hi[j]
+        if hi is None:
+            out[...] = lo  # one int64: the exact value, rounded once
+        else:
+            np.multiply(hi[s:s + out.size], float(1 << _LIMB), out=out, dtype=np.float64,
+                        casting="unsafe")
+            out += lo  # canonical (0 <= lo < 2**31): one rounding while |hi| < 2**53
+        out *= math.ldexp(1.0, self.specs[j].exponent)
+
+    def sums(self) -> list[npt.NDArray[np.float64]]:
+        """The weighted sums ``sum_i w_i x_i`` per tensor, in float64 (full-size arrays)."""
+        out = []
+        for j, spec in enumerate(self.specs):
+            if self._hi[j] is not None:
+                self._normalize(j, force=True)
+            a = np.empty(spec.size, np.float64)
+            for s in range(0, spec.size, self.block):
+                self._sum_f64(j, a[s:s + self.block], s)
+            out.append(a.reshape(spec.shape))
+        return out
+
+    def mean(self) -> list[npt.NDArray[Any]]:
+        """The weighted mean ``sum_i w_i x_i / sum_i w_i`` per tensor, in each spec's dtype.
+
+        Only the output arrays are allocated (plus one block of float64).
+
+        Raises
+        ------
+        ConfigError
+            Nothing was folded, or the weights do not sum to a positive number.
+        """
+        self._check_total()
+        out = []
+        for j, spec in enumerate(self.specs):
+            res = np.empty(spec.size, np.dtype(spec.dtype))
+            self._mean_into(j, res)
+            out.append(res.reshape(spec.shape))
+        return out
+
+    def mean_npy(self) -> list[tuple[str, tuple[int, ...], bytes]]:
+        """:meth:`mean` as ``(dtype, shape, npy bytes)`` per tensor (what a Flower ``Array``
+        carries).
+
+        Each tensor's mean is written straight into the ``bytes`` object that will hold it (after
+        its npy header): no array of the mean and no copy of it into a message. The same values
+        as :meth:`mean`, bit for bit.
+
+        Raises
+        ------
+        ConfigError
+            Nothing was folded, or the weights do not sum to a positive number.
+        """
+        self._check_total()
+        out = []
+        for j, spec in enumerate(self.specs):
+            dt = np.dtype(spec.dtype)
+            header = npy_header(dt.str, spec.shape)
+            data, view = writable_bytes(len(header) + spec.size * dt.itemsize)
+            view[:len(header)] = np.frombuffer(header, np.uint8)
+            self._mean_into(j, view[len(header):].view(dt))  # npy v1 headers keep it aligned
+            del view
+            out.append((str(dt), spec.shape, data.result()))
+        return out
+
+    def _check_total(self) -> None:
+        if self._weight <= 0:
+            raise ConfigError(explain("weights", float(self._weight),
+                                      "must sum to a positive number", "fold at least one update"))
+
+    def _mean_into(self, j: int, res: npt.NDArray[Any]) -> None:
+        """Write tensor ``j``'s mean into ``res`` (flat, the spec's dtype)."""
+        spec = self.specs[j]
+        total = float(self._weight)
+        if self._hi[j] is not None:
+            self._normalize(j, force=True)
+        dt = res.dtype
+        if not self._native_off and native.mean_into(
+                self._lo[j], self._hi[j], math.ldexp(1.0, spec.exponent), total, res):
+            return  # one pass in C, the same bits
+        step = min(self.block, MEAN_STEP)
+        f = np.empty(min(spec.size, step), np.float64)  # 64 KiB: not the fold's block buffers
+        for s in range(0, spec.size, step):
+            n = min(step, spec.size - s)
+            fb = f[:n]
+            self._sum_f64(j, fb, s)
+            fb /= total
+            with np.errstate(over="ignore", invalid="ignore"):
+                if np.issubdtype(dt, np.integer):
+                    np.trunc(fb, out=fb)
+                res[s:s + n] = fb  # inf from a float overflow is caught by model checks
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Plain-data state (arrays, ints, strings): specs, limbs, exact weight and counts."""
-        return dump_state(self)
+        """Plain-data state (arrays, ints, strings): specs, limbs (brought to canonical form
+        first), their bounds, the exact weight as numerator and denominator, fold counts."""
+        for j in range(len(self.specs)):
+            if self._hi[j] is not None:
+                self._normalize(j, force=True)
+        return {
+            "version": _STATE_VERSION,
+            "specs": [{"shape": list(s.shape), "dtype": s.dtype, "exponent": s.exponent}
+                      for s in self.specs],
+            "lo": [a.copy() for a in self._lo],
+            "hi": [None if a is None else a.copy() for a in self._hi],
+            "bound": [str(b) for b in self._bound],
+            "hbound": [str(b) for b in self._hbound],
+            "weight": [str(self._weight.numerator), str(self._weight.denominator)],
+            "count": self._count,
+            "folds": self._folds_abs,
+        }
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any], *, block: int = BLOCK) -> Accumulator:
@@ -489,4 +592,30 @@ class Accumulator:
         ConfigError
             A state of another version, or one whose arrays do not match its specs.
         """
-        return load_state(cls, state, block=block)
+        if state.get("version") != _STATE_VERSION:
+            raise ConfigError(explain("accumulator state.version", state.get("version"),
+                                      f"must be {_STATE_VERSION}",
+                                      "restore a state written by this fedagg version"))
+        try:
+            specs = [TensorSpec(tuple(int(d) for d in s["shape"]), str(s["dtype"]),
+                                int(s["exponent"])) for s in state["specs"]]
+            acc = cls(specs, block=block)
+            for j, spec in enumerate(specs):
+                lo = np.asarray(state["lo"][j])
+                hi = state["hi"][j]
+                if lo.dtype != np.int64 or lo.shape != (spec.size,) or (
+                        hi is not None and (np.asarray(hi).dtype != np.int64
+                                            or np.asarray(hi).shape != (spec.size,))):
+                    raise ValueError(f"limbs of tensor {j} do not match {spec}")
+                acc._lo[j] = lo.copy()
+                acc._hi[j] = None if hi is None else np.asarray(hi).copy()
+                acc._bound[j] = int(state["bound"][j])
+                acc._hbound[j] = int(state["hbound"][j])
+            acc._weight = Fraction(int(state["weight"][0]), int(state["weight"][1]))
+            acc._count = int(state["count"])
+            acc._folds_abs = int(state["folds"])
+        except (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError) as exc:
+            raise ConfigError(explain("accumulator state", type(exc).__name__,
+                                      f"is not a valid state ({exc})",
+                                      "restore an intact state_dict")) from None
+        return acc

@@ -195,7 +195,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
 
 def _self_check() -> str:
     """'' if the kernel folds a tricky update exactly like the NumPy path, else the reason."""
-    from fedagg.accumulate.exact import Accumulator, TensorSpec
+    from fedagg.accumulate.exact import Accumulator
+    from fedagg.accumulate.grid import TensorSpec
 
     rng = np.random.default_rng(0)
     x = (rng.normal(size=5000) * 3).astype(np.float32)
