@@ -14,7 +14,7 @@ How it runs: **in-process**, on the real client code path. Each site is the real
 handler) called with real Flower ``Message`` and ``Context`` objects; every message crosses a
 real Flower serialization round trip (deflate -> inflate of all its objects, as the SuperLink
 stores it), and bytes up / down are :func:`strategies.wire.message_nbytes` of the real
-messages, measured by :func:`strategies.base.run_train_round` exactly as in a Flower run.
+messages, measured by :func:`strategies.loop.run_train_round` exactly as in a Flower run.
 The one thing left out is Ray: 20 sites x 12 variants x 30 rounds through Flower's simulation
 engine does not fit the 2-core development machine in 15 minutes.
 
@@ -250,7 +250,7 @@ def run(args: argparse.Namespace) -> tuple[list[Track], dict[str, Any]]:
     from fedagg.models import build_model, set_weights
     from fedagg.training import evaluate
     from server.runner import client_config
-    from strategies.base import run_train_round
+    from strategies.loop import run_train_round
     from strategies.registry import build_strategy
     from strategies.wire import arrays_to_record, record_to_arrays
 

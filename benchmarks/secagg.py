@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import resource
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -61,8 +62,8 @@ from fedagg.config import RunConfig, load_config
 from fedagg.secagg.threads import ENV_VAR, auto_threads
 from server.inprocess import InProcessGrid
 from server.runner import client_config
-from strategies.base import run_train_round
 from strategies.fedavg import FedAvg
+from strategies.loop import run_train_round
 from strategies.secure import SecureAggregation
 from strategies.wire import arrays_to_record, record_to_arrays
 
@@ -313,6 +314,8 @@ def bench(n: int, dim: int, rounds: int, *, flower: bool = True,
             assert err < 1e-3, f"Flower SecAgg+ result off by {err}"
     if not flower:
         del out["flower"]
+    # the process's peak resident memory so far (Linux: KiB): every protocol of this run
+    out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return out
 
 
@@ -385,6 +388,7 @@ def summary(results: dict[tuple[int, int], dict[str, Any]]) -> list[dict[str, An
             if name in res:
                 runs = res[name] if isinstance(res[name], list) else [res[name]]
                 row[name] = {k: _med(runs, k) for k in ("round", "server", "site", "up_site")}
+        row["peak_rss_gib"] = res.get("peak_rss_gib")
         row["flower_secagg_over_secure"] = _ratio(res, "flower", "secure")
         row["secure_over_plain"] = _ratio(res, "secure", "fedavg")
         row["plain_over_flower_fedavg"] = _ratio(res, "fedavg", "flower_fedavg")

@@ -2,7 +2,7 @@
 
 Used by the ServerApp (``server.app``) in both simulation and deployment, and by
 ``fedagg simulate``. One round: the strategy trains (one or more exchanges, see
-:func:`strategies.base.run_train_round`), the global model changes only when the strategy
+:func:`strategies.loop.run_train_round`), the global model changes only when the strategy
 returns new arrays, then the model is evaluated centrally on the held-out test split and a
 per-round record is appended to ``metrics.json`` / ``metrics.csv``.
 
@@ -43,12 +43,14 @@ from fedagg.models import build_model, set_weights
 from fedagg.report import atomic_write_bytes, write_metrics, write_plot
 from fedagg.training import evaluate
 from server.checkpoint import Checkpoint, config_diff, load_checkpoint, save_checkpoint
-from strategies.base import RoundResult, run_evaluate_round, run_train_round
+from strategies.base import RoundResult
+from strategies.loop import run_evaluate_round, run_train_round
 from strategies.registry import build_strategy
 from strategies.update import RoundReport
 from strategies.wire import arrays_to_record, config_to_record, record_to_arrays
 
-__all__ = ["RoundCallback", "check_resume", "client_config", "load_resume", "run_server"]
+__all__ = ["RoundCallback", "check_resume", "client_config", "finite_number", "initial_model",
+           "load_resume", "run_server"]
 
 _log = logging.getLogger(__name__)
 
@@ -152,7 +154,7 @@ def client_config(cfg: RunConfig) -> ConfigRecord:
     return config_to_record(nested)
 
 
-def _initial(cfg: RunConfig, model_fn: ModelFn | None) -> tuple[Any, list[str], ArrayRecord]:
+def initial_model(cfg: RunConfig, model_fn: ModelFn | None) -> tuple[Any, list[str], ArrayRecord]:
     """The run's model (built-in unless ``model_fn``), its keys and initial arrays."""
     if model_fn is not None:
         with torch.random.fork_rng(devices=[]):
@@ -192,7 +194,8 @@ def _failed_round(rnd: int, exc: Exception) -> RoundResult:
         aborted=f"unexpected error in the round's training or aggregation: {why}"))
 
 
-def _finite_number(value: Any) -> bool:
+def finite_number(value: Any) -> bool:
+    """Whether ``value`` is a finite int or float (not a bool): what a record keeps."""
     return (isinstance(value, int | float) and not isinstance(value, bool)
             and np.isfinite(value))
 
@@ -244,7 +247,7 @@ def check_resume(cfg: RunConfig, *, model_fn: ModelFn | None = None) -> Checkpoi
     ``fedagg simulate --resume`` calls it so that a refused resume exits with status 2 and
     leaves the run directory byte-identical; :func:`run_server` runs the same checks.
     """
-    _, keys, arrays = _initial(cfg, model_fn)
+    _, keys, arrays = initial_model(cfg, model_fn)
     return load_resume(cfg, keys, record_to_arrays(arrays)[1], build_strategy(cfg))
 
 
@@ -302,7 +305,7 @@ def run_server(
     RunFailed
         No round aggregated anything (after writing the outputs): each round's reasons.
     """
-    model, keys, arrays = _initial(cfg, model_fn)
+    model, keys, arrays = initial_model(cfg, model_fn)
     strategy = strategy if strategy is not None else build_strategy(cfg)
     out = Path(run_dir) if run_dir else None
     central_eval: EvaluateFn | None = evaluate_fn
@@ -420,7 +423,7 @@ def run_server(
                                                 f"{type(exc).__name__}: {exc}"[:400])
             _log.error("round %d: %s", rnd, report.errors["server-evaluate"], exc_info=True)
         if fed is not None:
-            rec["federated_eval"] = {k: v for k, v in fed.items() if _finite_number(v)}
+            rec["federated_eval"] = {k: v for k, v in fed.items() if finite_number(v)}
         span = memory.stop()  # training, aggregation and evaluation
         rec.update(server_rss_peak=span.peak, server_rss_start=span.start,
                    server_rss_method=span.method)
@@ -439,12 +442,12 @@ def run_server(
         )
         if result.metrics is not None:
             loss_value = result.metrics.get("train_loss", result.metrics.get("train-loss"))
-            rec["train_loss"] = loss_value if _finite_number(loss_value) else None
+            rec["train_loss"] = loss_value if finite_number(loss_value) else None
             rec.update(
                 {
                     k.replace("-", "_"): v
                     for k, v in result.metrics.items()
-                    if k.startswith("secagg-") and _finite_number(v)
+                    if k.startswith("secagg-") and finite_number(v)
                 }
             )  # secure aggregation: counted, dropped, error bound
         for phase, sec in report.seconds.items():

@@ -11,9 +11,10 @@
 * :mod:`strategies.wire` — the Flower wire adapter shared with the sites.
 """
 
-from strategies.base import FedaggStrategy, RoundResult, run_train_round
+from strategies.base import FedaggStrategy, RoundResult
 from strategies.compressed import Compressed
 from strategies.fedavg import FedAvg
+from strategies.loop import run_train_round
 from strategies.registry import STRATEGIES, build_strategy, known_strategies, register_strategy
 from strategies.secure import SecureAggregation
 from strategies.update import RoundReport, Update

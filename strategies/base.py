@@ -1,13 +1,14 @@
-"""fedagg's round driver over any Flower Message-API strategy, and what it records.
+"""What fedagg's strategies share, and the exchange of one round's messages with the sites.
 
-A round is Flower's own protocol, ``configure_train`` -> send the messages, receive the
-replies -> ``aggregate_train`` (as ``Strategy.start()`` runs it). fedagg's server loop
-(:func:`run_train_round`) runs exactly that and *adds*: the replies are handed to
-``aggregate_train`` as they arrive (:func:`stream_exchange`: ``Grid.push_messages`` /
-``pull_messages``, a generator, so a streaming strategy holds one reply at a time instead of
-all of them), replies are filtered (stale, foreign or duplicate replies refused), transient
-error replies are retried within the deadline when the strategy allows it, and bytes,
-seconds and rejections are recorded. Wrappers that need
+* :class:`FedaggStrategy` -- what a fedagg strategy declares (``Config``,
+  ``aggregates_linearly``, ``allows_retries``, its round's :attr:`~FedaggStrategy.report`,
+  ``aggregate_stream``);
+* :class:`ReplyGate` -- the one place that decides whether a reply counts;
+* :func:`stream_exchange` / :func:`exchange` -- send a round's messages and receive the replies
+  that count as they arrive (``Grid.push_messages`` / ``pull_messages``; transient errors
+  retried within the deadline), counting bytes and seconds (:class:`ExchangeLog`).
+
+The round itself is :func:`strategies.loop.run_train_round`. Wrappers that need
 more exchanges (secure aggregation's key setup and unmasking) run them inside
 ``configure_train`` / ``aggregate_train`` with the Grid they were given, so they work under
 ``Strategy.start()`` too, and report them in their :attr:`FedaggStrategy.report`. Whether a
@@ -30,7 +31,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from pydantic import BaseModel
@@ -45,8 +46,6 @@ __all__ = [
     "RoundResult",
     "exchange",
     "filter_replies",
-    "run_evaluate_round",
-    "run_train_round",
     "stream_exchange",
 ]
 
@@ -282,89 +281,6 @@ def stream_exchange(grid: Grid, messages: list[Message], timeout: float, *, retr
             log.errors.setdefault(str(node), f"no reply within {timeout:.0f} s")
     finally:
         log.seconds += time.perf_counter() - t0
-
-
-def run_train_round(
-    strategy: Strategy,
-    grid: Grid,
-    server_round: int,
-    arrays: ArrayRecord,
-    config: ConfigRecord,
-    timeout: float,
-    *,
-    retries: int = 0,
-) -> RoundResult:
-    """configure_train -> send, stream the replies -> aggregate_train, measuring bytes and seconds.
-
-    ``aggregate_train`` gets the replies as they arrive (:func:`stream_exchange`); its
-    ``"exchange"`` seconds are the time spent waiting for them, ``"aggregate"`` the rest.
-    Replies are filtered by the :class:`ReplyGate`; transient error replies are retried within
-    the deadline when ``retries > 0`` and the strategy allows it (``allows_retries``; secure
-    aggregation does not: a message must not be answered twice). The round's report is the
-    exchange's merged with the strategy's own (:attr:`FedaggStrategy.report`).
-    """
-    t0 = time.perf_counter()
-    messages = list(strategy.configure_train(server_round, arrays, config, grid))
-    by_node = {m.metadata.dst_node_id: m for m in messages}
-
-    def rebuild(nodes: list[int]) -> list[Message]:
-        return [Message(content=by_node[n].content, dst_node_id=n,
-                        message_type=by_node[n].metadata.message_type) for n in nodes]
-
-    t1 = time.perf_counter()
-    allowed = not (isinstance(strategy, FedaggStrategy) and not strategy.allows_retries)
-    ex = ExchangeLog()
-    replies = stream_exchange(grid, messages, timeout, retries=retries if allowed else 0,
-                              rebuild=rebuild, log=ex)
-    aggregate = (strategy.aggregate_stream if isinstance(strategy, FedaggStrategy)
-                 else strategy.aggregate_train)
-    edge = _edge_codec(strategy)
-    stream: Iterable[Message] = (replies if edge is None
-                                 else edge.edge_decoded(server_round, replies))
-    try:  # the strategy takes the replies as they arrive (a generator, never listed here)
-        new_arrays, metrics = aggregate(server_round, stream)
-    finally:  # what it did not take (it stopped early, or raised) is received and dropped,
-        for _ in replies:  # so no reply of this round is left behind on the Grid
-            pass
-    t3 = time.perf_counter()
-    report = RoundReport(sampled=len(messages))
-    if isinstance(strategy, FedaggStrategy):
-        report.merge(strategy.report)
-    if edge is not None:
-        report.merge(edge.report)
-    ex.into(report)
-    report.replies = ex.ok
-    report.sampled = max(report.sampled, len(messages))
-    report.add_time("configure", t1 - t0)
-    report.add_time("exchange", ex.seconds)
-    report.add_time("aggregate", max(t3 - t1 - ex.seconds, 0.0))
-    return RoundResult(arrays=new_arrays, metrics=metrics, report=report)
-
-
-def _edge_codec(strategy: Strategy) -> Any:
-    """The compressed strategy whose replies fedagg's loop must decode before ``strategy``
-    sees them: one below a Flower wrapper that reads models from the replies (server-side DP
-    clipping). None when the outermost compressing strategy is fedagg's own (it decodes)."""
-    from strategies.compressed import Compressed
-    from strategies.wrapper import wrapped
-
-    below = wrapped(strategy) if not isinstance(strategy, FedaggStrategy) else None
-    while below is not None:
-        if isinstance(below, Compressed) and not below.spec.dense:
-            return below
-        if isinstance(below, FedaggStrategy):
-            return None
-        below = wrapped(below)
-    return None
-
-
-def run_evaluate_round(strategy: Strategy, grid: Grid, server_round: int, arrays: ArrayRecord,
-                       config: ConfigRecord, timeout: float) -> MetricRecord | None:
-    """Federated evaluation: configure_evaluate -> send_and_receive -> aggregate_evaluate."""
-    messages = list(strategy.configure_evaluate(server_round, arrays, config, grid))
-    if not messages:
-        return None
-    return strategy.aggregate_evaluate(server_round, exchange(grid, messages, timeout))
 
 
 def options_dict(model: BaseModel | None) -> dict[str, Any]:

@@ -106,10 +106,11 @@ class KeySetup:
             self.link.receive(reply, KeyAdvertise, idx, self.server.receive_advertise,
                               "advertise")
         answered = len(replies) + len(errors)
-        if answered and self.link.plain_replies + len(errors) == answered:
+        foreign = [e for e in errors if "fedagg.errors." not in e]  # not a refusal by fedagg
+        if answered and self.link.plain_replies + len(foreign) == answered:
             # every site answered, none with a protocol message: they cannot take part at all
             seen = (f"a plain model ({self.link.plain_replies} of {answered})"
-                    if self.link.plain_replies else f"errors, e.g. {errors[0][:200]!r}")
+                    if self.link.plain_replies else f"errors, e.g. {foreign[0][:200]!r}")
             raise ConfigError(explain(
                 "the sites' answers to the key setup", seen,
                 "SecureAggregation needs clients.fedagg_mod at every site (its ClientApp "

@@ -148,18 +148,18 @@ def test_an_uploaded_cohort_member_frees_its_slot(monkeypatch: pytest.MonkeyPatc
     cohort's unmask, so once K such slots are free the next cohort opens, even while the
     cohorts of those members are still open (here a third cohort at C = 2K), and the sums
     still equal the plaintext buffered aggregate."""
-    from server.asynchronous import _AsyncRun
+    from server.async_cohorts import SecureCohorts
 
     seen: list[tuple[int, int]] = []
-    send = _AsyncRun._send_cohort
+    send = SecureCohorts.send
 
-    def watch(self: _AsyncRun, cohort_id: int) -> None:
-        training = sum(self._training(c.cohort, c.members)
+    def watch(self: SecureCohorts, cohort_id: int) -> None:
+        training = sum(self.training(c.cohort, c.members)
                        for cid, c in self.state.cohorts.items() if cid != cohort_id)
-        seen.append((len(self.cohorts), training))
+        seen.append((len(self.open), training))
         send(self, cohort_id)
 
-    monkeypatch.setattr(_AsyncRun, "_send_cohort", watch)
+    monkeypatch.setattr(SecureCohorts, "send", watch)
     n = 16
     speed = SpeedModel(seed=5, job_seconds=10.0, sigma=0.8, latency=0.2)
     cfg = config(n, "run.rounds=8", *SECURE, "asynchronous.buffer_size=4",

@@ -13,8 +13,9 @@ from clients.app import app as client_app
 from fedagg.config import load_config
 from server.inprocess import InProcessGrid
 from server.runner import client_config, run_server
-from strategies.base import filter_replies, run_train_round
+from strategies.base import filter_replies
 from strategies.fedavg import FedAvg
+from strategies.loop import run_train_round
 from strategies.wire import arrays_to_record, record_to_arrays
 
 

@@ -27,7 +27,8 @@ from fedagg.secagg.packing import packed_words
 from fedagg.secagg.packing import unpack as unpack_bits
 from server.inprocess import InProcessGrid, nodes_by_partition
 from server.runner import client_config
-from strategies.base import RoundResult, run_train_round
+from strategies.base import RoundResult
+from strategies.loop import run_train_round
 from strategies.registry import build_strategy
 from strategies.secure import SecureAggregation
 from strategies.wire import (

@@ -49,8 +49,9 @@ from fedagg.update import masked as masked_mod
 from fedagg.update import pipeline as pipeline_mod
 from server.inprocess import InProcessGrid, nodes_by_partition
 from server.runner import client_config
-from strategies.base import RoundResult, run_train_round
+from strategies.base import RoundResult
 from strategies.compressed import Compressed
+from strategies.loop import run_train_round
 from strategies.registry import build_strategy
 from strategies.secure import SecureAggregation
 from strategies.wire import PARAMS_KEY, VOTES_KEY, arrays_to_record, record_to_arrays, unpack

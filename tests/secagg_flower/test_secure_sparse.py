@@ -26,8 +26,9 @@ from fedagg.secagg.packing import packed_words
 from fedagg.update import SupportHistory
 from server.inprocess import InProcessGrid, nodes_by_partition
 from server.runner import client_config
-from strategies.base import RoundResult, run_train_round
+from strategies.base import RoundResult
 from strategies.compressed import Compressed
+from strategies.loop import run_train_round
 from strategies.registry import build_strategy
 from strategies.secure import SecureAggregation
 from strategies.wire import (
