@@ -3,7 +3,7 @@
 Built-in components register themselves by name; third-party packages publish theirs through
 an entry-point group (``fedagg.strategies``, ``fedagg.compressors``) in their distribution
 metadata, and are discovered lazily the first time a name is looked up. An unknown name raises
-:class:`~fedagg.errors.RegistryError` listing every known name.
+:class:`~fedagg.errors.RegistryError` naming the closest known names and listing every one.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from importlib.metadata import EntryPoint, entry_points
 from typing import Generic, TypeVar
 
-from fedagg.errors import RegistryError, explain
+from fedagg.errors import RegistryError, did_you_mean, explain
 
 __all__ = ["Registry"]
 
@@ -79,11 +79,12 @@ class Registry(Generic[T]):
             self.discover()
         if key not in self._items:
             known = ", ".join(sorted(self._items)) or "(none)"
+            hint = did_you_mean(key, self._items)
             raise RegistryError(
                 explain(
                     self.kind,
                     name,
-                    f"is not a known {self.kind}; known: {known}",
+                    f"is not a known {self.kind}{hint}; known: {known}",
                     f"use one of the known names, or install a plugin that registers it in "
                     f"the entry-point group {self.group!r}",
                 )

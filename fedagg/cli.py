@@ -390,16 +390,22 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_viz_args(sub: Any) -> None:
     from fedagg.viz.schedule_view import ALGORITHMS
 
-    viz = sub.add_parser("viz", help="self-contained HTML views (all-reduce schedules)")
-    viz.add_argument("what", choices=["schedule"])
-    viz.add_argument("--algorithm", choices=list(ALGORITHMS), default="all",
-                     help="schedule to animate; all = ring, tree and parameter server side by side")
-    viz.add_argument("--workers", type=int, default=4, metavar="N", help="number of ranks")
-    viz.add_argument("--size", type=int, default=1 << 20, metavar="BYTES",
-                     help="all-reduced buffer size in bytes (float32), default 1 MiB")
-    viz.add_argument("--benchmarks", metavar="FILE",
-                     help="measured figures (default: docs/benchmarks.md here, if present)")
-    viz.add_argument("-o", "--out", required=True, metavar="FILE", help="HTML file to write")
+    viz = sub.add_parser("viz", help="self-contained HTML views (all-reduce schedules)",
+                         description="Self-contained HTML views; `fedagg viz schedule --help` "
+                         "for the options of one.")
+    views = viz.add_subparsers(dest="what", required=True, metavar="VIEW")
+    sched = views.add_parser("schedule", help="animate the real all-reduce schedules of a site",
+                             description="One self-contained HTML page animating the all-reduce "
+                             "schedules fedagg runs inside a site, step by step, with the cost "
+                             "model's prediction and measured medians.")
+    sched.add_argument("--algorithm", choices=list(ALGORITHMS), default="all",
+                       help="schedule to animate; all = ring, tree and parameter server side by side")
+    sched.add_argument("--workers", type=int, default=4, metavar="N", help="number of ranks")
+    sched.add_argument("--size", type=int, default=1 << 20, metavar="BYTES",
+                       help="all-reduced buffer size in bytes (float32), default 1 MiB")
+    sched.add_argument("--benchmarks", metavar="FILE",
+                       help="measured figures (default: docs/benchmarks.md here, if present)")
+    sched.add_argument("-o", "--out", required=True, metavar="FILE", help="HTML file to write")
     rep_ = sub.add_parser("report", help="write the HTML report of a run directory")
     rep_.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (holds metrics.json)")
     rep_.add_argument("-o", "--out", metavar="FILE", help="default: RUN_DIR/report.html")

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import types
+import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -37,7 +39,7 @@ from fedagg.config_sections import (
     TrainConfig,
     _Section,
 )
-from fedagg.errors import ConfigError, explain
+from fedagg.errors import ConfigError, did_you_mean, explain
 
 __all__ = [
     "AsynchronousConfig",
@@ -93,11 +95,35 @@ _FIXES: dict[str, str] = {
     "extra_forbidden": "remove it, or check the spelling against docs/configuration.md",
     "literal_error": "use one of the allowed values",
     "missing": "add it",
+    "tree_strategy": "run it with Flower's own XGBoost apps, or choose a strategy that "
+                     "averages tensors (e.g. 'fedavg', 'flwr:FedAdam')",
 }
 
 
-def format_validation_error(exc: ValidationError, *, prefix: str = "") -> str:
-    """Turn a pydantic error into fedagg's one-line-per-problem field/value/rule/fix text."""
+def _section_model(model: type[BaseModel], path: Iterable[object]) -> type[BaseModel] | None:
+    """The pydantic model found at ``path`` (field names) inside ``model``, or None."""
+    current: type[BaseModel] = model
+    for part in path:
+        field = current.model_fields.get(str(part))
+        if field is None:
+            return None
+        ann = field.annotation
+        candidates = (typing.get_args(ann)
+                      if typing.get_origin(ann) in (typing.Union, types.UnionType) else (ann,))
+        found = [c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)]
+        if not found:
+            return None
+        current = found[0]
+    return current
+
+
+def format_validation_error(exc: ValidationError, *, prefix: str = "",
+                            model: type[BaseModel] | None = None) -> str:
+    """Turn a pydantic error into fedagg's one-line-per-problem field/value/rule/fix text.
+
+    With ``model`` (the model validated), an unknown key's message names the closest known
+    keys of its section (``train.lrr``: did you mean ``'lr'``?).
+    """
     lines = []
     for err in exc.errors():
         field = (
@@ -106,9 +132,16 @@ def format_validation_error(exc: ValidationError, *, prefix: str = "") -> str:
             else prefix.rstrip(".") or "config"
         )
         rule = err["msg"]
+        fix = _FIXES.get(err["type"], "give a value that satisfies the rule")
         if err["type"] == "extra_forbidden":
             rule = "is not a known setting"
-        fix = _FIXES.get(err["type"], "give a value that satisfies the rule")
+            section = _section_model(model, err["loc"][:-1]) if model and err["loc"] else None
+            if section is not None:
+                within = prefix + "".join(f"{p}." for p in err["loc"][:-1])
+                hint = did_you_mean(str(err["loc"][-1]), section.model_fields, within=within)
+                if hint:
+                    rule += hint
+                    fix = "correct the spelling, or remove it (docs/configuration.md lists every key)"
         if err["type"].startswith(("greater", "less")):
             fix = "choose a value in the allowed range"
         if err["type"] == "value_error":
@@ -123,7 +156,7 @@ def validate_model(model: type[BaseModel], data: Mapping[str, Any], *, prefix: s
     try:
         return model.model_validate(dict(data))
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, prefix=prefix)) from None
+        raise ConfigError(format_validation_error(exc, prefix=prefix, model=model)) from None
 
 
 def parse_value(text: str) -> Any:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 __all__ = [
     "DataConfig",
@@ -25,6 +26,25 @@ __all__ = [
     "StrategyConfig",
     "TrainConfig",
 ]
+
+
+_FLOWER_PREFIX = "flwr:"
+_TREE_STRATEGIES = {"fedxgbbagging": "FedXgbBagging", "fedxgbcyclic": "FedXgbCyclic"}
+"""Flower's strategies for XGBoost models (lower-case class name -> class name)."""
+
+
+def _refuse_tree_strategy(name: str) -> None:
+    """Flower's XGBoost strategies exchange trees, not the tensors fedagg's sites train."""
+    cls = name.strip()
+    cls = cls[len(_FLOWER_PREFIX):] if cls.lower().startswith(_FLOWER_PREFIX) else ""
+    if cls.lower() in _TREE_STRATEGIES:
+        raise PydanticCustomError(
+            "tree_strategy",
+            "is Flower's {cls}, which aggregates XGBoost models (trees serialised as bytes by "
+            "Flower's XGBoost ClientApps), not the tensor models fedagg's sites train: every "
+            "round would fail",
+            {"cls": _TREE_STRATEGIES[cls.lower()]},
+        )
 
 
 class _Section(BaseModel):
@@ -217,6 +237,19 @@ class StrategyConfig(_Section):
         "the keyword arguments of a Flower strategy (validated against its signature).",
     )
 
+
+    @field_validator("name")
+    @classmethod
+    def _not_a_tree_strategy(cls, name: str) -> str:
+        _refuse_tree_strategy(name)
+        return name
+
+    @field_validator("options")
+    @classmethod
+    def _inner_not_a_tree_strategy(cls, options: dict[str, Any]) -> dict[str, Any]:
+        if isinstance(options.get("strategy"), str):  # the inner strategy of a Flower wrapper
+            _refuse_tree_strategy(options["strategy"])
+        return options
 
     @model_validator(mode="after")
     def _check_guards(self) -> StrategyConfig:

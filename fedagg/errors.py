@@ -25,6 +25,9 @@ deliberately opaque: they say *that* verification failed, never *why*.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 __all__ = [
     "AbortRound",
     "CheckpointError",
@@ -40,6 +43,7 @@ __all__ = [
     "UpdateRejected",
     "VerificationError",
     "WorkerError",
+    "did_you_mean",
     "explain",
 ]
 
@@ -67,6 +71,18 @@ def explain(field: str, value: object, rule: str, fix: str) -> str:
     if len(shown) > 200:
         shown = shown[:197] + "..."
     return f"{field} = {shown}: {rule}. Fix: {fix}"
+
+
+def did_you_mean(name: str, known: Iterable[str], *, within: str = "") -> str:
+    """``" (did you mean 'x'?)"`` for the known names closest to ``name``; ``""`` if none is
+    close (:func:`difflib.get_close_matches`; case and ``-`` / ``_`` ignored). ``within`` is
+    put in front of each name shown (``"train."``)."""
+    norm = {k.lower().replace("-", "_"): k for k in known}
+    close = difflib.get_close_matches(name.lower().replace("-", "_"), list(norm), n=3,
+                                      cutoff=0.6)
+    if not close:
+        return ""
+    return " (did you mean " + " or ".join(repr(within + norm[c]) for c in close) + "?)"
 
 
 class FedaggError(Exception):

@@ -1,7 +1,9 @@
 """Run outputs: per-round metrics as JSON and CSV, and an accuracy / loss plot.
 
 Files are written atomically (temporary file, fsync, rename), so a reader never sees half a
-file and a crash leaves the previous version in place.
+file and a crash leaves the previous version in place. They get the permissions any new file
+of the user's gets (``0666`` less the process's umask, as ``open()`` would give), unless the
+caller asks for others (private keys: ``0600``).
 """
 
 from __future__ import annotations
@@ -15,21 +17,40 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_write_bytes", "write_metrics", "write_plot"]
+__all__ = ["atomic_write_bytes", "current_umask", "write_metrics", "write_plot"]
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it (``/proc/self/status`` on Linux).
+
+    Elsewhere it is read by setting and restoring it (``os.umask``), which is not atomic
+    with respect to other threads creating files at the same moment.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_bytes(path: str | Path, data: bytes, *, mode: int | None = None) -> None:
     """Write ``data`` to ``path`` atomically (temp file in the same directory, fsync, rename).
 
-    With ``mode``, the permissions are set on the temporary file before any byte lands (for
-    private keys), and again on the final path.
+    The file gets ``mode`` when given (set on the temporary file before any byte lands, for
+    private keys, and again on the final path), else the permissions a new file of the user's
+    gets: ``0666`` less the umask (``-rw-r--r--`` under the usual ``022``), not the ``0600``
+    of the temporary file.
     """
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
     try:
-        if mode is not None:
-            os.fchmod(fd, mode)
+        os.fchmod(fd, mode if mode is not None else 0o666 & ~current_umask())
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()

@@ -40,7 +40,7 @@ from fedagg.compression.support import (
     topk_of_aggregate,
 )
 from fedagg.compression.topk import RandomK, TopK, k_from_ratio
-from fedagg.errors import ConfigError, RegistryError, explain
+from fedagg.errors import ConfigError, RegistryError, did_you_mean, explain
 
 __all__ = ["ParsedSpec", "StageContext", "StageFactory", "build_compressor", "parse_spec", "registry"]
 
@@ -438,9 +438,10 @@ def _assemble(
         try:
             factory = registry.get(name)
         except RegistryError:
-            known = ", ".join(["ef", *registry.names()])
+            names = ["ef", *registry.names()]
             raise ctx.error(
-                f"unknown stage {name!r}; known: {known}", "use a known stage"
+                f"unknown stage {name!r}{did_you_mean(name, names)}; known: {', '.join(names)}",
+                "use a known stage"
             ) from None
         stage = factory(ctx)
         if isinstance(stage, Quantizer):
