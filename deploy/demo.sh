@@ -67,10 +67,13 @@ free_port() {
     python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }
 
-export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
+# No packages installed at run time; no usage events sent to Flower Labs and no update check
+# at start-up (Flower does both by default; docs/deployment.md, section 1).
+export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1
 PORT=$(free_port)
 CERTS=$WORK/certs
 mkdir -p "$WORK/logs" "$WORK/operator-home"
+install -d -m 700 "$WORK/state"   # the SuperLink's database directory (Flower does not create it)
 names=$(seq -f "site-%g" 1 "$SITES" | paste -sd, -)
 
 log "1/5 certificates and site keys -> $CERTS"
@@ -83,6 +86,7 @@ FLWR_HOME=$WORK/superlink-home flower-superlink \
     --ssl-ca-certfile "$CERTS/superlink/ca.crt" \
     --enable-supernode-auth \
     --host 127.0.0.1 --port "$PORT" \
+    --database "$WORK/state/superlink.db" \
     --disable-runtime-dependency-installation \
     >"$WORK/logs/superlink.log" 2>&1 &
 PIDS+=($!)

@@ -16,8 +16,9 @@ An outsider holds everything a site holds except a registered key (the CA certif
 included) and dials the public address: listing nodes, registering a SuperNode key (through
 the Control API, or as a SuperNode through the Fleet API) and starting a run are all refused,
 and the SuperLink's own port is closed there. Every Control and Runtime route Flower defines
-is probed through the proxy (404), while the same Control request straight to the SuperLink
-succeeds. Then the sites train one round of fedagg's default app through the proxy.
+is probed through the proxy (404), path tricks are refused (400), while the same Control
+request straight to the SuperLink succeeds. Then the sites train one round of fedagg's
+default app through the proxy.
 
 Raw HTTP probes come from a third loopback source address, :data:`OUTSIDER_SRC`. Note what
 loopback cannot show: any process *on the server host* reaches 127.0.0.1 — that host is
@@ -33,8 +34,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
-import shutil
 import socket
 import ssl
 import subprocess
@@ -44,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from _nginx import NGINX, NO_NGINX, nginx_command, nginx_main_conf, render_proxy_conf
 from flwr.proto.control_pb2 import ListNodesRequest, ListNodesResponse
 from flwr.supercore.protobuf.constants import PROTOBUF_MEDIA_TYPE
 from flwr.supercore.routers.runtime import responses_router
@@ -52,7 +52,6 @@ from flwr.superlink.routers.control import router as control_router
 from flwr.superlink.routers.fleet.router import router as fleet_router
 from test_deploy_e2e import (
     BIN,
-    ROOT,
     Federation,
     Procs,
     _env,
@@ -70,36 +69,8 @@ pytestmark = [pytest.mark.flower, pytest.mark.slow, pytest.mark.deploy]
 
 PUBLIC = "127.0.0.2"  # the server host's network address: the sites' (and outsiders') way in
 OUTSIDER_SRC = "127.0.0.3"  # source address of the outsider's raw HTTP probes
-CONF = ROOT / "deploy" / "nginx" / "fedagg-fleet.conf"
 SITES = ["site-a", "site-b"]
 ROGUE = "rogue"  # a key pair that is never registered
-NGINX = shutil.which("nginx") or next(
-    (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None)
-
-
-def render_proxy_conf(public_listen: str, superlink: str, cert_dir: Path,
-                      upstream_name: str = "localhost") -> str:
-    """``deploy/nginx/fedagg-fleet.conf`` with its four placeholders filled in."""
-    text = CONF.read_text()
-    for key, value in {"@PUBLIC_LISTEN@": public_listen, "@SUPERLINK@": superlink,
-                       "@CERT_DIR@": str(cert_dir), "@UPSTREAM_NAME@": upstream_name}.items():
-        assert key in text, f"{CONF.name} lost its placeholder {key}"
-        text = text.replace(key, value)
-    return text
-
-
-def _nginx_main_conf(run_dir: Path, include: Path) -> str:
-    """A private nginx.conf (pid, logs, temp paths under ``run_dir``) including the site file.
-
-    On a server this is Debian's /etc/nginx/nginx.conf, which includes conf.d/*.conf.
-    """
-    user = "user root root;\n" if os.geteuid() == 0 else ""  # no switch to www-data in a test
-    temp = "\n".join(f"  {k}_temp_path {run_dir / 'tmp' / k};"
-                     for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
-    return (f"{user}worker_processes 1;\npid {run_dir / 'nginx.pid'};\n"
-            f"events {{ worker_connections 256; }}\n"
-            f"http {{\n  access_log {run_dir / 'access.log'};\n{temp}\n"
-            f"  include {include};\n}}\n")
 
 
 @dataclass
@@ -115,8 +86,7 @@ class Closed:
 @pytest.fixture(scope="module")
 def closed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Closed]:
     if NGINX is None:
-        pytest.skip("nginx not found: install it (Debian: apt-get install nginx-light; "
-                    ".ci/run does) to test deploy/nginx/fedagg-fleet.conf")
+        pytest.skip(NO_NGINX)
     tmp = tmp_path_factory.mktemp("deploy-closed")
     logs = tmp / "logs"
     logs.mkdir()
@@ -134,7 +104,10 @@ def closed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Closed]:
         home = tmp / "operator-home"
         env = _env(home)
         _write_connection(home, "fedagg", f"127.0.0.1:{port}", ca)
-        superlink = procs.start("superlink", _superlink_args(certs, port),
+        # the database in a directory made as docs/deployment.md makes /var/lib/fedagg
+        state = tmp / "var-lib-fedagg"
+        subprocess.run(["install", "-d", "-m", "700", str(state)], check=True, timeout=30)
+        superlink = procs.start("superlink", _superlink_args(certs, port, state / "superlink.db"),
                                 _env(tmp / "superlink-home"))
         _wait_for_tls(port, ca, superlink, timeout=120)
 
@@ -143,9 +116,8 @@ def closed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Closed]:
         site_conf = run_dir / "fedagg-fleet.conf"
         site_conf.write_text(render_proxy_conf(f"{PUBLIC}:{proxy_port}", f"127.0.0.1:{port}",
                                                certs / "superlink"))
-        (run_dir / "nginx.conf").write_text(_nginx_main_conf(run_dir, site_conf))
-        nginx = procs.start("nginx", [NGINX, "-p", str(run_dir), "-c", str(run_dir / "nginx.conf"),
-                                      "-e", str(logs / "nginx-error.log"), "-g", "daemon off;"],
+        (run_dir / "nginx.conf").write_text(nginx_main_conf(run_dir, site_conf))
+        nginx = procs.start("nginx", nginx_command(run_dir, logs / "nginx-error.log"),
                             _env(tmp / "nginx-home"))
         _wait_for_tls(proxy_port, ca, nginx, timeout=30, host=PUBLIC, name="nginx")
 
@@ -200,19 +172,22 @@ def test_only_fleet_paths_pass_the_proxy(closed: Closed) -> None:
                             source=None)
     assert status == 200, (status, payload[:300])
     assert len(ListNodesResponse.FromString(payload).nodes_info) == len(SITES)
-    # ... but through the proxy every Control and Runtime route Flower 1.42 defines, the
-    # API docs, and path tricks that normalise to a Control route, are answered by nginx.
+    # ... but through the proxy every Control and Runtime route Flower 1.42 defines and the
+    # API docs are answered by nginx (404), and path tricks that a decoder could read as
+    # another route are refused by it (400; all of them: tests/deploy/test_deploy_proxy_paths.py).
     tricks = ["/v1/fleet/../control/list-nodes", "/v1/fleet/%2e%2e/control/list-nodes",
               "/v1/fleet/..%2fcontrol/list-nodes", "/v1/fleet/%2e%2e%2fcontrol/list-nodes",
               "/v1/fleet/pull-messages/../../control/list-nodes", "//v1/control/list-nodes",
-              "/V1/CONTROL/LIST-NODES", "/v1/fleet/get-run/../../control/list-nodes?x=1"]
+              "/v1/fleet/get-run/../../control/list-nodes?x=1", "/v1/fleet/..;/control/list-nodes",
+              "/v1/fleet/%252e%252e/control/list-nodes", "/v1/control/../fleet/pull-messages"]
     probes = [*_paths(control_router), *_paths(runtime_router), *_paths(responses_router),
-              "/docs", "/openapi.json", "/redoc", "/", *tricks]
+              "/docs", "/openapi.json", "/redoc", "/", "/V1/CONTROL/LIST-NODES"]
     assert len(probes) > 60, probes
-    refused = {path: _post(PUBLIC, closed.proxy_port, path, body, ca) for path in probes}
+    expected = {**dict.fromkeys(probes, 404), **dict.fromkeys(tricks, 400)}
+    answers = {path: _post(PUBLIC, closed.proxy_port, path, body, ca) for path in expected}
     # nginx's own error page: the request never reached the SuperLink.
-    leaked = {path: (status, payload[:200]) for path, (status, payload) in refused.items()
-              if status != 404 or b"<center>nginx</center>" not in payload}
+    leaked = {path: (status, payload[:200]) for path, (status, payload) in answers.items()
+              if status != expected[path] or b"<center>nginx</center>" not in payload}
     assert not leaked, leaked
     # The Fleet paths and /health do reach the SuperLink (its own errors, not nginx's 404).
     for path in _paths(fleet_router):

@@ -200,6 +200,7 @@ class Federation:
 def _env(home: Path) -> dict[str, str]:
     home.mkdir(parents=True, exist_ok=True)
     return {**os.environ, "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",  # as the docs' recipe
             "PYTHONUNBUFFERED": "1"}
 
 
@@ -230,12 +231,14 @@ def _supernode_args(fed_certs: Path, site: str, port: int, partition: int, *, ca
                              f"site-name='{site}'", *extra]
 
 
-def _superlink_args(certs: Path, port: int) -> list[str]:
-    """``flower-superlink`` with TLS and SuperNode authentication on ``127.0.0.1:port``."""
+def _superlink_args(certs: Path, port: int, database: Path | None = None) -> list[str]:
+    """``flower-superlink`` with TLS and SuperNode authentication on ``127.0.0.1:port``
+    (with ``database``: its state in that SQLite file, as docs/deployment.md runs it)."""
     sl = certs / "superlink"
     return [str(BIN / "flower-superlink"), "--ssl-certfile", str(sl / "server.crt"),
             "--ssl-keyfile", str(sl / "server.key"), "--ssl-ca-certfile", str(sl / "ca.crt"),
             "--enable-supernode-auth", "--host", "127.0.0.1", "--port", str(port),
+            *(["--database", str(database)] if database is not None else []),
             "--disable-runtime-dependency-installation"]
 
 
