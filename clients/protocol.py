@@ -58,6 +58,7 @@ from fedagg.update import (
     UploadPipeline,
     UploadSpec,
     decode_down,
+    metric_values,
 )
 from strategies.wire import (
     CARRY_KEY,
@@ -312,7 +313,7 @@ def answer_carry(msg: Message, context: Context, rnd: FedaggRound,
     values, weight = carry.take(context, rnd.carry, sum(int(a.size) for a in rnd.sent))
     state = _load(context, rnd.site, rnd.params)
     mask = SecAggMasker(state, unpack(msg.content, RoundRequest), rng=np.random.default_rng())
-    masked = mask(values, weight)
+    masked = mask(np.concatenate([values, metric_values({})]), weight)  # no metrics carried
     _save(context, state)
     return _reply(msg, masked)
 
@@ -385,7 +386,7 @@ def encode_reply(msg: Message, ctx: Context, rnd: FedaggRound, trained: list[np.
     rng = _site_rng(ctx, instr) if instr is not None else np.random.default_rng()
     residual = _residual(ctx, spec, ns)
     upload: SiteUpload = UploadPipeline(spec, history).run(
-        trained, weight=weight, residual=residual, rng=rng, mask=mask)
+        trained, weight=weight, residual=residual, rng=rng, mask=mask, metrics=metrics)
     # state stays at the site
     if upload.residual:
         ctx.state[EF_KEY + ns] = arrays_to_record(list(upload.residual.values()),

@@ -457,7 +457,8 @@ class SecureAggregation(StrategyWrapper):
             "num-examples": float(result.total_weight),
             "secagg-counted": len(result.counted), "secagg-dropped": len(result.dropped),
             "secagg-frac-bits": result.frac_bits, "secagg-error-bound": float(result.error_bound),
-            "secagg-epoch": result.epoch, "secagg-values": int(result.mean.size),
+            "secagg-epoch": result.epoch, "secagg-values": int(r.layout.values),
+            **decoded.metrics,  # the sites' train loss, summed under the masks
         }
         reply = some_reply if some_reply is not None else r.messages[0]
         one = Update(delta, float(result.total_weight), metrics, node_of(reply), "delta",

@@ -12,8 +12,9 @@ Flower-free core shared by both sides of a round:
   back to a checked dense delta;
 * :func:`encode_down` / :func:`decode_down` — the global model's optional fp16 / bf16 codec;
 * :class:`MaskedLayout` / :func:`masked_layout` / :class:`SecAggMasker` — what a secure round
-  masks (``[values | packed votes | weight]``, or the exact integer sketch), and the masking
-  step that also takes pre-encoded ring vectors;
+  masks (``[values | metric slots | packed votes | weight]``, or the exact integer sketch; the
+  sites' train loss rides in the metric slots, :data:`SECURE_METRICS`), and the masking step
+  that also takes pre-encoded ring vectors;
 * :class:`RoundDecoder` — at the server: the round's aggregate back to the delta to apply
   (FetchSGD's step for ``sketch``, the vote sum for ``vote``).
 
@@ -25,11 +26,13 @@ from fedagg.update.decode import check_delta, decode_delta, densify
 from fedagg.update.downlink import decode_down, encode_down
 from fedagg.update.history import SupportHistory, flat_difference
 from fedagg.update.masked import (
+    SECURE_METRICS,
     MaskedLayout,
     RingEncoding,
     RingMasker,
     SecAggMasker,
     masked_layout,
+    metric_values,
 )
 from fedagg.update.pipeline import SiteUpload, UploadPipeline, delta_of
 from fedagg.update.server import Decoded, RoundDecoder
@@ -45,6 +48,7 @@ from fedagg.update.spec import (
 __all__ = [
     "DOWN_CODECS",
     "REVEALING_SUPPORTS",
+    "SECURE_METRICS",
     "SUPPORTS",
     "Decoded",
     "MaskedLayout",
@@ -65,5 +69,6 @@ __all__ = [
     "encode_down",
     "flat_difference",
     "masked_layout",
+    "metric_values",
     "public_seed",
 ]

@@ -27,7 +27,7 @@ References
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from fedagg.secagg import ClientState, MaskedUpload, RoundRequest
 
 __all__ = [
+    "SECURE_METRICS",
     "MaskedLayout",
     "RingEncoding",
     "RingMasker",
@@ -50,6 +51,7 @@ __all__ = [
     "encode_sketch",
     "encode_values_and_votes",
     "masked_layout",
+    "metric_values",
 ]
 
 
@@ -150,11 +152,12 @@ class MaskedLayout:
     vote_counters: int = 0
     vote_bits: int = 0
     vote_elements: int = 0
+    metric_slots: int = 0
 
     @property
     def dim(self) -> int:
         """``RoundRequest.dim``: elements before the weight."""
-        return self.values + self.vote_elements
+        return self.values + self.metric_slots + self.vote_elements
 
     @property
     def encoded(self) -> bool:
@@ -173,8 +176,20 @@ class MaskedLayout:
         if t.shape != (self.dim + 1,):
             raise ProtocolError(explain("unmasked sum", t.shape,
                                         f"must have {self.dim + 1} elements", "-"))
-        out: NDArray[np.uint32] = t[self.values:self.values + self.vote_elements].astype(
-            np.uint32)
+        start = self.values + self.metric_slots
+        out: NDArray[np.uint32] = t[start:start + self.vote_elements].astype(np.uint32)
+        return out
+
+    def metrics(self, mean: NDArray[Any]) -> dict[str, float]:
+        """The sites' mean metrics from the unmasked mean (:data:`SECURE_METRICS`): each slot
+        pair is ``(w * value, w * reported)`` summed, so the mean over the sites that report
+        it is their ratio."""
+        out: dict[str, float] = {}
+        m = np.asarray(mean, np.float64)
+        for k, name in enumerate(SECURE_METRICS[:self.metric_slots // 2]):
+            value, reported = m[self.values + 2 * k], m[self.values + 2 * k + 1]
+            if reported > 0 and np.isfinite(value):
+                out[name] = float(value / reported)
         return out
 
 
@@ -188,8 +203,9 @@ def masked_layout(history: SupportHistory, dim: int, *, num_sites: int,
         A sparse spec whose round has no support.
     """
     spec = history.spec
+    slots = 2 * len(SECURE_METRICS)
     if spec.dense:
-        return MaskedLayout(values=int(dim))
+        return MaskedLayout(values=int(dim), metric_slots=slots)
     if spec.sketch:
         stage = _sketch_stage(history)
         sk = stage.sketch_for(int(dim))
@@ -200,12 +216,30 @@ def masked_layout(history: SupportHistory, dim: int, *, num_sites: int,
                                     "use a public-support, vote or sketch spec"))
     vote = find_vote_support(history.compressor()) if spec.votes else None
     if vote is None:
-        return MaskedLayout(values=int(support.size))
+        return MaskedLayout(values=int(support.size), metric_slots=slots)
     counters = vote.sketch_for(int(dim)).size
     bits = vote.vote_field_bits(int(dim), int(num_sites))
     per = counters_per_element(bits, int(ring_bits))
     return MaskedLayout(values=int(support.size), vote_counters=counters, vote_bits=bits,
                         vote_elements=-(-counters // per))
+
+
+SECURE_METRICS = ("train_loss",)
+"""The site metrics a dense or public-support secure round sums under the masks, after the
+values: two slots each, ``w * value`` and ``w * 1`` (0 when the site does not report it), so
+the server learns only their weighted mean over the sites that report them (values clipped to
+``secagg.clip`` like the update's). Sketch and vote rounds carry none."""
+
+
+def metric_values(metrics: Mapping[str, Any]) -> NDArray[np.float64]:
+    """Site: the metric slots of :data:`SECURE_METRICS` (the encoder clips them like the
+    values)."""
+    out = np.zeros(2 * len(SECURE_METRICS), np.float64)
+    for k, name in enumerate(SECURE_METRICS):
+        v = metrics.get(name, metrics.get(name.replace("_", "-")))
+        if isinstance(v, int | float) and not isinstance(v, bool) and np.isfinite(v):
+            out[2 * k], out[2 * k + 1] = float(v), 1.0
+    return out
 
 
 def _sketch_stage(history: SupportHistory) -> SketchCompressor:

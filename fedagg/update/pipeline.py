@@ -48,6 +48,7 @@ from fedagg.update.masked import (
     RingMasker,
     encode_sketch,
     encode_values_and_votes,
+    metric_values,
 )
 from fedagg.update.spec import UploadSpec
 
@@ -241,7 +242,10 @@ class UploadPipeline:
             else:
                 out.payload = payload
         if mask is not None and out.values is not None:
-            out.masked = mask(out.values, out.weight)
+            # the site's train loss rides under the masks too (SECURE_METRICS): the server
+            # learns only the round's weighted mean of it (clipped like the values)
+            out.masked = mask(np.concatenate([out.values, metric_values(out.metrics)]),
+                              out.weight)
         return out
 
 

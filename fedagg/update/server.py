@@ -19,7 +19,7 @@ the sketch state is restored, the votes are dropped). Flower-free.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -48,11 +48,14 @@ class Decoded:
         The flat dense delta to apply (zero off the support / off the sketch's top-k).
     votes : ndarray of int64 or None
         The summed vote table of this round (``vote`` specs).
+    metrics : dict
+        The sites' mean metrics summed under the masks (``train_loss``), where reported.
     """
 
     values: NDArray[np.float64]
     delta: NDArray[np.float64]
     votes: NDArray[np.int64] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class RoundDecoder:
@@ -144,7 +147,7 @@ class RoundDecoder:
             delta = densify(values, support, int(dim))
         if votes is not None:
             self._pending = (self.history.round, votes)
-        return Decoded(values=values, delta=delta, votes=votes)
+        return Decoded(values=values, delta=delta, votes=votes, metrics=layout.metrics(m))
 
     def _votes(self, layout: MaskedLayout, packed: NDArray[np.uint32], *, dim: int,
                num_sites: int, ring_bits: int) -> NDArray[np.int64]:

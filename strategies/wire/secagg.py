@@ -54,10 +54,13 @@ ARRAYS_KEY = "secagg-arrays"
 PARAMS_KEY = "secagg-params"
 SECAGG_KEYS = (CONFIG_KEY, ARRAYS_KEY, PARAMS_KEY)
 
-SECAGG_WIRE = 2
-"""Version of the secure-aggregation records. 2: every exchange is a ``train`` message and the
-stage is named in :data:`PARAMS_KEY` (so a stock ClientApp with the fedagg mod answers them);
-1 (fedagg 0.1): setup and unmask were ``query.secagg_*`` messages (refused)."""
+SECAGG_WIRE = 3
+"""Version of the secure-aggregation records. 3: a dense or public-support upload carries the
+site's metric slots (``fedagg.update.SECURE_METRICS``: the train loss, masked) after its values;
+2: every exchange is a ``train`` message and the stage is named in :data:`PARAMS_KEY` (so a
+stock ClientApp with the fedagg mod answers them); 1 (fedagg 0.1): setup and unmask were
+``query.secagg_*`` messages. A site or server of another version refuses the records, naming
+both versions."""
 STAGES = ("advertise", "share-keys", "upload", "unmask")
 """Stages of a secure round, in the order the server drives them (docs/protocols/secagg.md)."""
 

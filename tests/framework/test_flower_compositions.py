@@ -4,7 +4,8 @@ One stock ServerApp drives the quickstart-pytorch ClientApp (``fedagg_mod`` oute
 Flower's ``fixedclipping_mod`` where the round asks for clipping) with, 2 rounds each:
 
 1. ``SecureAggregation(Compressed(FedAvg(), up="topk:0.1+ef", support="random"))`` -- secure
-   sparse aggregation as one composition -- under Flower's own ``Strategy.start()``;
+   sparse aggregation as one composition -- under Flower's own ``Strategy.start()``; the
+   sites' train loss reaches Flower's Result (summed under the masks);
 2. ``Compressed(DifferentialPrivacyClientSideFixedClipping(FedAvg(), ...), up=...)`` -- the
    sites clip, then compress -- under ``Strategy.start()``;
 3. ``DifferentialPrivacyServerSideFixedClipping(Compressed(FedAvg(), up=...), ...)`` -- Flower's
@@ -87,6 +88,8 @@ def server_app(out: Path, run_dir: Path) -> ServerApp:
         secure = SecureAggregation(Compressed(FedAvg(**every), up=UP, support="random"))
         r = start(secure)
         res["secure_sparse"] = {"moved": _moved(r.arrays, initial),
+                                "train_loss": [m.get("train_loss") for _, m in
+                                               sorted(r.train_metrics_clientapp.items())],
                                 "counted": len(secure.last_result.counted),
                                 "support": int(secure.last_support.size),
                                 "aborted": secure.report.aborted}
@@ -140,6 +143,8 @@ def test_fedagg_and_flower_wrappers_compose_on_the_simulation_engine(tmp_path: P
     sec = res["secure_sparse"]
     assert sec["moved"] > 1e-3 and sec["counted"] == SITES and sec["support"] > 0, sec
     assert not sec["aborted"]
+    # the sites' training loss reaches Flower's Result, summed under the masks
+    assert len(sec["train_loss"]) == 2 and all(0 < v < 10 for v in sec["train_loss"]), sec
     cdp = res["compressed_client_dp"]
     assert cdp["moved"] > 1e-3 and cdp["refused"] == {}, cdp
     sdp = res["server_dp_compressed"]

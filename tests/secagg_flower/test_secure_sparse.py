@@ -23,7 +23,7 @@ from fedagg.errors import ConfigError
 from fedagg.models import build_model
 from fedagg.secagg import INLINE_BYTES, MaskedUpload
 from fedagg.secagg.packing import packed_words
-from fedagg.update import SupportHistory
+from fedagg.update import SECURE_METRICS, SupportHistory
 from server.inprocess import InProcessGrid, nodes_by_partition
 from server.runner import client_config
 from strategies.base import RoundResult
@@ -161,7 +161,8 @@ def test_residual_persists_and_the_upload_is_only_the_masked_support_values() ->
         assert (ARRAYS_KEY in reply.content) == (masked.nbytes > INLINE_BYTES)
         bits = secure.last_result.ring_bits  # k + 1 values of b bits, packed
         assert masked.dtype == np.uint32
-        assert any(masked.size == packed_words(v, bits) for v in (k, k + 1, k + 2))
+        slots = 2 * len(SECURE_METRICS)  # the metric slots after the values, then the weight
+        assert any(masked.size == packed_words(v + slots, bits) for v in (k, k + 1, k + 2))
     # the residual is carried over: off both supports it accumulates two rounds of deltas
     assert np.abs(residuals[0]).max() > 0
     assert not np.array_equal(residuals[0], residuals[1])

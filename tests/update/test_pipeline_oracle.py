@@ -17,7 +17,14 @@ from hypothesis import strategies as st
 
 from fedagg.compression import codec
 from fedagg.secagg import LocalFederation, SecAggParams
-from fedagg.update import SupportHistory, UploadPipeline, UploadSpec, decode_delta, densify
+from fedagg.update import (
+    SECURE_METRICS,
+    SupportHistory,
+    UploadPipeline,
+    UploadSpec,
+    decode_delta,
+    densify,
+)
 
 SHAPES = [(13, 7), (7,), (3, 4, 5)]
 
@@ -100,7 +107,9 @@ def test_secure_sparse_masked_sum_equals_the_naive_reference(support: str, sites
                                                    residual=residual[i], rng=rng,
                                                    mask=lambda v, w: ("masked", v.size, w))
             residual[i] = up.residual
-            assert up.masked == ("masked", support_idx.size, weights[i]) and up.payload is None
+            # the values on the support, then the metric slots (the train loss, masked too)
+            assert up.masked == ("masked", support_idx.size + 2 * len(SECURE_METRICS),
+                                 weights[i]) and up.payload is None
             values.append(up.values)
             flat = np.concatenate([((g + d) - g).astype(np.float32).ravel().astype(np.float64)
                                    for g, d in zip(glob, deltas[i], strict=True)])
