@@ -270,7 +270,7 @@ def bench(n: int, dim: int, rounds: int, *, flower: bool = True,
                 del os.environ[ENV_VAR]
             else:
                 os.environ[ENV_VAR] = old
-        run["exchanges"] = box["r"].exchanges
+        run["exchanges"] = box["r"].report.exchanges
         got = record_to_arrays(box["r"].arrays)[1][0]
         err = float(np.abs(got - expect).max())
         assert err < 1e-4, f"fedagg secure result off by {err}"
@@ -298,7 +298,7 @@ def bench(n: int, dim: int, rounds: int, *, flower: bool = True,
         run = plain_timed.measure(lambda r=rnd, box=res: box.update(
             r=run_train_round(plain, plain_grid, r, arrays, ConfigRecord(), 600.0)),
             wire=wire)
-        run["exchanges"] = res["r"].exchanges
+        run["exchanges"] = res["r"].report.exchanges
         out["fedavg"].append(run)
         got = record_to_arrays(res["r"].arrays)[1][0]
         assert float(np.abs(got - expect).max()) < 1e-5, "fedagg FedAvg result off"

@@ -43,8 +43,8 @@ from strategies.registry import build_strategy
 from strategies.secure import SecureAggregation
 from strategies.update import Update
 
-__all__ = ["CohortSink", "NodeView", "check_asynchronous", "cohort_strategy", "decode_update",
-           "job_strategy"]
+__all__ = ["CohortSink", "NodeView", "check_asynchronous", "cohort_strategy", "connected_nodes",
+           "decode_update", "fedavg_of", "job_strategy"]
 
 
 class NodeView(Grid):
@@ -86,6 +86,11 @@ class NodeView(Grid):
         return self.grid.send_and_receive(messages, timeout=timeout)
 
 
+def connected_nodes(grid: Grid) -> list[int]:
+    """The ids of the nodes connected to ``grid`` now, sorted."""
+    return sorted(int(n) for n in grid.get_node_ids())
+
+
 def _take_all(strategy: FedAvg) -> None:
     """Make fedagg's FedAvg sample exactly the nodes of the view it is given, without waiting."""
     strategy.fraction_train = 1.0
@@ -94,7 +99,9 @@ def _take_all(strategy: FedAvg) -> None:
     strategy.wait_timeout = 0.0
 
 
-def _fedavg_of(strategy: Strategy) -> FedAvg | None:
+def fedavg_of(strategy: Strategy) -> FedAvg | None:
+    """The fedagg FedAvg inside ``strategy`` (itself, or the inner strategy of Compressed /
+    SecureAggregation); None for any other strategy."""
     inner = (strategy.aggregator if isinstance(strategy, SecureAggregation)
              else strategy.inner if isinstance(strategy, Compressed) else strategy)
     return inner if type(inner) is FedAvg else None
@@ -115,7 +122,7 @@ def check_asynchronous(cfg: RunConfig) -> None:
     if a.mode == "off":
         return
     strategy = build_strategy(cfg)
-    if _fedavg_of(strategy) is None:
+    if fedavg_of(strategy) is None:
         raise ConfigError(explain(
             "strategy.name", cfg.strategy.name,
             f"asynchronous.mode = {a.mode!r} folds site updates into its own buffer and applies "
@@ -178,7 +185,7 @@ def concurrency_of(cfg: RunConfig) -> int:
 def job_strategy(cfg: RunConfig) -> FedAvg | Compressed:
     """A fresh FedAvg (or Compressed(FedAvg)) for one plaintext dispatch."""
     strategy = build_strategy(cfg)
-    inner = _fedavg_of(strategy)
+    inner = fedavg_of(strategy)
     if inner is None or isinstance(strategy, SecureAggregation):
         raise ConfigError(explain("strategy.name", cfg.strategy.name,
                                   "is not a plaintext fedagg FedAvg", "see check_asynchronous"))

@@ -31,9 +31,10 @@ updates before it is folded (:mod:`fedagg.asyncagg.guards`: norm bombs refused, 
 capped). With ``run.fraction_evaluate > 0`` idle sites evaluate the new versions while
 training goes on (:mod:`server.async_evaluate`, which also routes replies by message type).
 
-The secure cohorts are in :mod:`server.async_cohorts`; the records, checkpoints, outputs and
-the resume in :mod:`server.async_records`; the federated evaluation in
-:mod:`server.async_evaluate` (methods of the run, bound in its class body).
+:class:`AsyncRun` is the loop; its parts are objects with their own state, each in its module:
+the secure cohorts (:class:`server.async_cohorts.SecureCohorts`), the records, checkpoints,
+outputs and the resume (:class:`server.async_records.RunRecorder`) and the federated
+evaluation (:class:`server.async_evaluate.AsyncEvaluation`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, Message
+from flwr.app import Message
 from flwr.serverapp import Grid
 
 from fedagg.aggregate import ServerOptimizer, model_change_problem
@@ -62,27 +63,24 @@ from fedagg.asyncagg import (
 )
 from fedagg.config import RunConfig
 from fedagg.errors import ConfigError, RunFailed, UpdateRejected, explain
-from fedagg.report import atomic_write_bytes
-from server import async_cohorts, async_evaluate, async_records
-from server.async_carry import CarryBook
-from server.async_cohorts import _CohortRun
+from server.async_cohorts import SecureCohorts
 from server.async_dispatch import (
     NodeView,
     check_asynchronous,
     concurrency_of,
     config_with_round,
+    connected_nodes,
     decode_update,
     job_strategy,
 )
-from server.async_evaluate import _EvalFlight, _EvalRun, route_reply
-from server.async_records import _Tally
+from server.async_evaluate import AsyncEvaluation, mismatch
+from server.async_records import RunRecorder
 from server.runner import (
     EvaluateFn,
     ModelFn,
     RoundCallback,
-    _initial,
     client_config,
-    model_digest,
+    initial_model,
     wait_for_sites,
 )
 from strategies.base import filter_replies
@@ -92,7 +90,7 @@ from strategies.secure import SecureAggregation
 from strategies.update import partition_of
 from strategies.wire import message_nbytes, record_to_arrays
 
-__all__ = ["run_async_server"]
+__all__ = ["AsyncRun", "run_async_server"]
 
 _log = logging.getLogger(__name__)
 _KILL_ENV = "FEDAGG_TEST_KILL_AT"  # "<round>:after-apply" or "arrival:<n>" (tests)
@@ -112,19 +110,28 @@ def _kill_if(point: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-class _AsyncRun:
-    """One asynchronous run (see the module docstring)."""
+class AsyncRun:
+    """One asynchronous run (see the module docstring).
+
+    The loop itself: dispatch (:meth:`send_job`, :meth:`push`), pull, handle each reply,
+    expire, deadline rounds, wait, :meth:`run`. Its parts hold their own state: the records,
+    outputs, checkpoints and the resume (:attr:`recorder`, a
+    :class:`~server.async_records.RunRecorder`), the federated evaluation (:attr:`evaluation`,
+    an :class:`~server.async_evaluate.AsyncEvaluation`) and the secure cohorts
+    (:attr:`cohorts`, :class:`~server.async_cohorts.SecureCohorts`). The loop owns the train
+    messages in flight (:attr:`flights`) and the run's state (:attr:`state`), which the parts
+    share.
+    """
 
     def __init__(self, grid: Grid, cfg: RunConfig, run_dir: str | Path | None,
                  on_round: RoundCallback | None, model_fn: ModelFn | None,
                  evaluate_fn: EvaluateFn | None) -> None:
         check_asynchronous(cfg)
-        self.grid, self.cfg, self.on_round = grid, cfg, on_round
+        self.grid, self.cfg = grid, cfg
         a = cfg.asynchronous
         self.mode, self.secure = a.mode, bool(cfg.strategy.secure
                                                or cfg.strategy.name.strip() == "secure")
-        self.out = Path(run_dir) if run_dir else None
-        self.model, self.keys, arrays = _initial(cfg, model_fn)
+        model, keys, arrays = initial_model(cfg, model_fn)
         clock = getattr(grid, "clock", None)
         self.clock: VirtualClock | WallClock = (clock if isinstance(clock, VirtualClock | WallClock)
                                                 else WallClock())
@@ -140,40 +147,21 @@ class _AsyncRun:
                                max_weight_ratio=s.max_weight_ratio))
         self.concurrency = concurrency_of(cfg)
         self.job_timeout = float(cfg.run.round_timeout)
-        self.carry = CarryBook.from_config(cfg, concurrency=self.concurrency, secure=self.secure,
-                                           staleness=self.state.staleness_weight)
-        self.run_id = os.urandom(16)
         self.flights: dict[str, _Flight] = {}
-        self.cohorts: dict[int, _CohortRun] = {}
-        self.records: list[dict[str, Any]] = []
-        self.tally = _Tally()
         self.arrivals = 0
-        self._records_of: dict[int, ArrayRecord] = {}
-        self._eval = self._evaluator(evaluate_fn, model_fn)
-        self.eval_flights: dict[str, _EvalFlight] = {}  # federated evaluation (async_evaluate)
-        self.held: dict[int, Job] = {}  # train jobs waiting for their site's evaluation
-        self.eval_runs: dict[int, _EvalRun] = {}
-        self._eval_with: Any = None
+        self.recorder = RunRecorder(
+            cfg, grid=grid, state=self.state, clock=self.clock, model=model, keys=keys,
+            out=Path(run_dir) if run_dir else None, mode=self.mode, secure=self.secure,
+            on_round=on_round, evaluate_fn=evaluate_fn, model_fn=model_fn)
+        self.evaluation = AsyncEvaluation(
+            cfg, grid=grid, state=self.state, clock=self.clock, job_timeout=self.job_timeout,
+            recorder=self.recorder, loop=self)
+        self.cohorts = SecureCohorts(
+            cfg, grid=grid, state=self.state, clock=self.clock, concurrency=self.concurrency,
+            job_timeout=self.job_timeout, secure=self.secure, recorder=self.recorder,
+            evaluation=self.evaluation, loop=self)
 
-    # -- evaluation, records, checkpoints --------------------------------------------------------
-    _evaluator = async_records._evaluator
-    _evaluated = async_records._evaluated
-    _record = async_records._record
-    _checkpoint = async_records._checkpoint
-    _emit = async_records._emit
-    _new_record = async_records._new_record
-    _eval_strategy = async_evaluate._eval_strategy
-    _evaluate_version = async_evaluate._evaluate_version
-    _send_evaluation = async_evaluate._send_evaluation
-    _handle_evaluation = async_evaluate._handle_evaluation
-    _refuse_reply = async_evaluate._refuse_reply
-    _close_evaluation = async_evaluate._close_evaluation
-    _expire_evaluations = async_evaluate._expire_evaluations
-    _eval_targets = async_evaluate._eval_targets
-    _evaluating = async_evaluate._evaluating
-    _drain_evaluations = async_evaluate._drain_evaluations
-    _resend_evaluations = async_evaluate._resend_evaluations
-
+    # -- buffers ------------------------------------------------------------------------------------
     def _take(self) -> dict[str, Any]:
         """Apply the buffer (model-integrity checked); the record of it (not yet emitted)."""
         max_change = self.cfg.strategy.max_model_change
@@ -185,12 +173,12 @@ class _AsyncRun:
         res = applied.result
         summary = ""
         if not applied.committed:
-            summary = (f"round {len(self.records)}: the aggregated model was not committed "
-                       f"(global model unchanged at version {self.state.version}): "
+            summary = (f"round {len(self.recorder.records)}: the aggregated model was not "
+                       f"committed (global model unchanged at version {self.state.version}): "
                        f"{applied.problem}")
-            self.tally.refused["server"] = summary
+            self.recorder.tally.refused["server"] = summary
             _log.error("%s", summary)
-        rec = self._new_record(applied.committed, summary)
+        rec = self.recorder.new_record(applied.committed, summary, in_flight=len(self.flights))
         hist = res.staleness_histogram()
         stale = [e.staleness for e in res.entries for _ in range(e.count)]
         rec.update(updates=res.count, staleness=hist,
@@ -201,103 +189,95 @@ class _AsyncRun:
                   self.mode, self.state.version, res.count, hist, len(self.flights))
         return rec
 
-    def _apply(self) -> None:
+    def apply(self) -> None:
         """FedBuff: apply the buffer, record, checkpoint."""
         rec = self._take()
-        self._emit(rec)
-        self._evaluate_version(rec)
+        self.recorder.emit(rec)
+        self.evaluation.evaluate_version(rec)
         _kill_if(f"{rec['round']}:after-apply")
-        self._checkpoint()
+        self.recorder.checkpoint()
 
     @property
     def done(self) -> bool:
-        if len(self.records) - 1 >= self.cfg.run.rounds:
+        """Whether the run is over: ``run.rounds`` records, or ``asynchronous.max_seconds``."""
+        if len(self.recorder.records) - 1 >= self.cfg.run.rounds:
             return True
         limit = self.cfg.asynchronous.max_seconds
         return limit is not None and self.clock.now() >= limit
 
     # -- dispatch ---------------------------------------------------------------------------------
-    def _push(self, job: Job, strategy: Any, message: Message) -> None:
-        self.tally.bytes_down += message_nbytes(message)
-        self.tally.dispatched += 1
+    def push(self, job: Job, strategy: Any, message: Message) -> None:
+        """Push the train message of ``job`` (built by ``strategy``) and track its reply."""
+        self.recorder.tally.bytes_down += message_nbytes(message)
+        self.recorder.tally.dispatched += 1
         [mid] = list(self.grid.push_messages([message]))
         self.flights[mid] = _Flight(job, strategy, message)
 
-    def _send_job(self, job: Job) -> None:
+    def send_job(self, job: Job) -> None:
         """Build (with a fresh FedAvg / Compressed) and push the train message of ``job``;
-        held while its site evaluates (sent by :meth:`_release_held`)."""
-        if job.node in self._evaluating():
-            self.held[job.job] = job
+        held while its site evaluates (:meth:`AsyncEvaluation.hold`, sent by
+        :meth:`_release_held`)."""
+        if self.evaluation.hold(job):
             return
         strategy = job_strategy(self.cfg)
         config = config_with_round(client_config(self.cfg), job.server_round)
-        msgs = list(strategy.configure_train(job.server_round, self._record(job.version), config,
-                                             NodeView(self.grid, [job.node])))
+        msgs = list(strategy.configure_train(job.server_round, self.recorder.record(job.version),
+                                             config, NodeView(self.grid, [job.node])))
         if len(msgs) != 1:
             raise ConfigError(explain("dispatch", len(msgs), "must be one message per site",
                                       "check strategy.options"))
-        self._push(job, strategy, msgs[0])
-
-    _send_cohort = async_cohorts._send_cohort
-    _open_cohort = async_cohorts._open_cohort
+        self.push(job, strategy, msgs[0])
 
     def _release_held(self) -> None:
         """Send the held train jobs whose site no longer evaluates."""
-        if not self.held:
-            return
-        evaluating = self._evaluating()
-        for jid, job in sorted(self.held.items()):
-            if job.node not in evaluating:
-                del self.held[jid]
-                self._send_job(job)
-
-    def _nodes(self) -> list[int]:
-        return sorted(int(n) for n in self.grid.get_node_ids())
+        for job in self.evaluation.release():
+            self.send_job(job)
 
     def _fill(self) -> None:
         """FedBuff: dispatch the newest model to free sites until ``C`` are busy.
 
-        A site whose evaluation is still in flight (:func:`server.async_evaluate._evaluating`)
-        gets its train job once the evaluate reply is back (:meth:`_send_job` holds it); a
-        cohort with such a member is opened only then, with the same seeded choice.
+        A site whose evaluation is still in flight (:meth:`AsyncEvaluation.evaluating`) gets
+        its train job once the evaluate reply is back (:meth:`send_job` holds it); a cohort
+        with such a member is opened only then, with the same seeded choice.
         """
         if self.mode != "fedbuff" or self.done:
             return
         while True:
             if self.secure:
-                if not self._open_cohort():
+                if not self.cohorts.open_next():
                     return
             else:
                 busy = self.state.busy()
-                free = [n for n in self._nodes() if n not in busy]
+                free = [n for n in connected_nodes(self.grid) if n not in busy]
                 if not free or len(busy) >= self.concurrency:
                     return
                 [node] = self.state.choose(free, 1, "fedbuff")
-                self._send_job(self.state.dispatch(node, self.clock.now()))
+                self.send_job(self.state.dispatch(node, self.clock.now()))
 
     def _start_round(self) -> None:
         """Deadline mode: open the next round and dispatch it to its sampled free sites."""
         st = self.state
         st.round += 1
         st.round_started = self.clock.now()
-        nodes = self._nodes()
+        nodes = connected_nodes(self.grid)
         k = max(int(len(nodes) * self.cfg.run.fraction_train), 1)
         busy = st.busy()
         for node in st.choose(nodes, k, f"round-{st.round}"):
             if node not in busy:
-                self._send_job(st.dispatch(node, self.clock.now(), server_round=st.round))
+                self.send_job(st.dispatch(node, self.clock.now(), server_round=st.round))
 
     # -- replies ----------------------------------------------------------------------------------
-    def _pull(self, *, train: bool = True) -> list[Message]:
+    def pull(self, *, train: bool = True) -> list[Message]:
         """Replies to the train (unless not ``train``) and evaluate messages in flight."""
+        evaluating = self.evaluation.flights
         sent = [f.message for f in self.flights.values()] if train else []
-        sent += [f.message for f in self.eval_flights.values()]
+        sent += [f.message for f in evaluating.values()]
         if not sent:
             return []
         pull = getattr(self.grid, "pull_due", self.grid.pull_messages)  # DelayedGrid: no waiting
-        got = list(pull([*self.flights, *self.eval_flights] if train else [*self.eval_flights]))
+        got = list(pull([*self.flights, *evaluating] if train else [*evaluating]))
         kept, refused = filter_replies(sent, got)
-        self.tally.refused.update(refused)
+        self.recorder.tally.refused.update(refused)
         order = {mid: f.job.job for mid, f in self.flights.items()}
         return sorted(kept, key=lambda r: order.get(r.metadata.reply_to_message_id, 0)) \
             if not self.clock.virtual else kept  # a DelayedGrid returns arrival order
@@ -307,17 +287,18 @@ class _AsyncRun:
         job = self.state.arrive(flight.job.job)
         node = str(job.node)
         self.arrivals += 1
-        self.tally.bytes_up += message_nbytes(reply)
+        self.recorder.tally.bytes_up += message_nbytes(reply)
         if isinstance(flight.strategy, SecureAggregation):
-            self._handle_upload(job, reply)
+            self.cohorts.handle_upload(job, reply)
         elif reply.has_error():
-            self.tally.errors[node] = reply.error.reason or "error reply"
+            self.recorder.tally.errors[node] = reply.error.reason or "error reply"
         else:
             self._handle_update(job, flight.strategy, reply)
         _kill_if(f"arrival:{self.arrivals}")
 
     def _handle_update(self, job: Job, strategy: FedAvg | Compressed, reply: Message) -> None:
         node = str(job.node)
+        tally = self.recorder.tally
         try:
             self.state.admit(job.version, f"node {node}")  # refuse stale updates before decoding
             inner = strategy.inner if isinstance(strategy, Compressed) else strategy
@@ -327,47 +308,51 @@ class _AsyncRun:
             entry = self.state.fold(delta, node=job.node, partition=partition_of(metrics),
                                     job=job.job, version=job.version, weight=weight)
         except UpdateRejected as exc:
-            self.tally.refused[node] = str(exc)
+            tally.refused[node] = str(exc)
             _log.warning("refused update: %s", exc)
             return
         if entry.weight < weight:  # the median-relative weight cap (fedagg.asyncagg.guards)
-            self.tally.capped[node] = (
+            tally.capped[node] = (
                 f"node {node}: weight {weight:.6g} capped to {entry.weight:.6g} (strategy."
                 f"max_weight_ratio = {self.cfg.strategy.max_weight_ratio:g} x the median weight "
                 "of the last accepted updates and this one)")
-            _log.warning("%s", self.tally.capped[node])
+            _log.warning("%s", tally.capped[node])
             weight = entry.weight
-        self.tally.replied += 1
+        tally.replied += 1
         loss = metrics.get("train_loss", metrics.get("train-loss"))
         if isinstance(loss, int | float) and math.isfinite(loss):
-            self.tally.loss += float(loss) * weight
-            self.tally.loss_weight += weight
+            tally.loss += float(loss) * weight
+            tally.loss_weight += weight
         if self.mode == "fedbuff" and self.state.buffer.full:
-            self._apply()
+            self.apply()
         _log.debug("folded node %s (staleness %d)", node, entry.staleness)
 
-    _handle_upload = async_cohorts._handle_upload
-    _training = async_cohorts._training
-    _quorum = async_cohorts._quorum
-    _close_cohort = async_cohorts._close_cohort
+    def _refuse(self, reply: Message) -> None:
+        """A reply whose type is not its message's: never an update, never metrics."""
+        rid = reply.metadata.reply_to_message_id
+        if rid not in self.flights:
+            self.evaluation.refuse(reply)
+            return
+        why = mismatch(reply, "train")
+        _log.warning("refused reply: %s", why)
+        flight = self.flights.pop(rid)
+        self.state.arrive(flight.job.job)
+        self.recorder.tally.refused[str(reply.metadata.src_node_id)] = why
 
     # -- time --------------------------------------------------------------------------------------
     def _expire(self) -> None:
         """Give up on dispatches past ``run.round_timeout``; close cohorts that waited as long
-        or whose grace period after their quorum ended."""
+        or whose grace period after their quorum ended; close the evaluations past their
+        timeout."""
         now = self.clock.now()
         for mid, f in list(self.flights.items()):
             if now >= f.job.dispatched_at + self.job_timeout:
                 del self.flights[mid]
                 self.state.arrive(f.job.job)
-                self.tally.errors[str(f.job.node)] = (f"no reply within run.round_timeout = "
-                                                      f"{self.job_timeout:g} s")
-        for cid, run in list(self.cohorts.items()):
-            c = self.state.cohorts[cid]
-            grace_over = run.close_at is not None and now >= run.close_at
-            if grace_over or now >= c.started_at + self.job_timeout:
-                self._close_cohort(cid)
-        self._expire_evaluations()
+                self.recorder.tally.errors[str(f.job.node)] = (
+                    f"no reply within run.round_timeout = {self.job_timeout:g} s")
+        self.cohorts.expire(now)
+        self.evaluation.expire()
 
     def _deadline(self) -> None:
         """Deadline mode: close the round at its deadline (or when all its sites replied).
@@ -382,10 +367,10 @@ class _AsyncRun:
             return
         if st.round == 0:
             self._start_round()
-            self._checkpoint()
+            self.recorder.checkpoint()
             return
-        mine = any(f.job.server_round == st.round for f in self.flights.values()) or any(
-            j.server_round == st.round for j in self.held.values())  # held: sent after its eval
+        mine = any(f.job.server_round == st.round for f in self.flights.values()) or \
+            self.evaluation.holding(st.round)  # held: sent after its site's evaluation
         sent = any(v == st.round for v in st.site_rounds.values())
         over = self.clock.now() >= st.round_started + self.cfg.asynchronous.deadline
         if not over and (mine or not sent):
@@ -396,21 +381,22 @@ class _AsyncRun:
         else:
             why = (f"{st.buffer.count} update(s) by the deadline < run.min_sites = {need}"
                    + (" (kept for the next round)" if st.buffer.count else ""))
-            rec = self._new_record(False, f"round {len(self.records)}: nothing aggregated: {why}")
+            rec = self.recorder.new_record(
+                False, f"round {len(self.recorder.records)}: nothing aggregated: {why}",
+                in_flight=len(self.flights))
             rec.update(updates=0, staleness={})
             _log.warning("%s", rec["summary"])
-        self._emit(rec)
-        self._evaluate_version(rec)
+        self.recorder.emit(rec)
+        self.evaluation.evaluate_version(rec)
         _kill_if(f"{rec['round']}:after-apply")
         if not self.done:
             self._start_round()
-        self._checkpoint()
+        self.recorder.checkpoint()
 
     def _wait(self) -> None:
         now = self.clock.now()
         targets = [f.job.dispatched_at + self.job_timeout for f in self.flights.values()]
-        targets += [self.state.cohorts[c].started_at + self.job_timeout for c in self.cohorts]
-        targets += [r.close_at for r in self.cohorts.values() if r.close_at is not None]
+        targets += self.cohorts.targets()
         if self.mode == "deadline" and self.state.round:
             targets.append(self.state.round_started + self.cfg.asynchronous.deadline)
         if self.cfg.asynchronous.max_seconds is not None:
@@ -420,42 +406,44 @@ class _AsyncRun:
             t = nxt(list(self.flights))
             if t is not None:
                 targets.append(float(t))
-        targets += self._eval_targets()
-        if not self.flights and not self.eval_flights and not any(t > now for t in targets):
+        targets += self.evaluation.targets()
+        if not self.flights and not self.evaluation.flights and not any(t > now for t in targets):
             raise RunFailed(f"asynchronous run stalled at version {self.state.version}: no "
-                            "dispatch in flight and no site free to dispatch to", self.records)
+                            "dispatch in flight and no site free to dispatch to",
+                            self.recorder.records)
         self.clock.wait_until(min(targets) if targets else now + self.cfg.asynchronous.poll,
                               poll=self.cfg.asynchronous.poll)
 
-    # -- resume ------------------------------------------------------------------------------------
-    _resume = async_records._resume
+    def _due(self) -> bool:
+        """Whether a reply is already due (a DelayedGrid says; on a real grid: pull again)."""
+        nxt = getattr(self.grid, "next_arrival", None)
+        if not callable(nxt) or not (self.flights or self.evaluation.flights):
+            return False
+        t = nxt([*self.flights, *self.evaluation.flights])
+        return t is not None and t <= self.clock.now()
 
     # -- the loop ------------------------------------------------------------------------------------
     def run(self) -> list[dict[str, Any]]:
+        """Run to the end (resuming first with ``run.resume``); the records."""
         cfg = self.cfg
         if cfg.run.resume:
-            self._resume()
-        if self.out is not None:
-            self.out.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(self.out / "config.json", cfg.model_dump_json(indent=2).encode())
+            self.recorder.resume(send_job=self.send_job, send_cohort=self.cohorts.send,
+                                 resend_evaluations=self.evaluation.resend)
+            _log.info("resuming asynchronous run at version %d (%d dispatches sent again)",
+                      self.state.version, len(self.flights))
+        self.recorder.write_config()
         wait_for_sites(self.grid, cfg)
         if not cfg.run.resume:
-            loss0, acc0 = self._evaluated()
-            self._emit({"round": 0, "version": 0, "mode": self.mode, "accuracy": acc0,
-                        "loss": loss0, "bytes_up": 0, "bytes_down": 0, "seconds": 0.0,
-                        "time": self.clock.now(), "model_updated": False,
-                        "model_digest": model_digest(self._record(0))})
-            self.tally = _Tally(t0=self.clock.now())
-            self._checkpoint()
+            self.recorder.start()
         while not self.done:
-            for reply in self._pull():
-                kind = route_reply(reply, self.flights, self.eval_flights)
+            for reply in self.pull():
+                kind = self.evaluation.route(reply, self.flights)
                 if kind == "train":
                     self._handle(reply)
                 elif kind == "evaluate":
-                    self._handle_evaluation(reply)
+                    self.evaluation.handle(reply)
                 elif kind:
-                    self._refuse_reply(reply)
+                    self._refuse(reply)
                 if self.done:
                     break
             if self.done:
@@ -468,19 +456,9 @@ class _AsyncRun:
                 break
             if not self._due():
                 self._wait()
-        self._drain_evaluations()
-        self._finish()
-        return self.records
-
-    def _due(self) -> bool:
-        """Whether a reply is already due (a DelayedGrid says; on a real grid: pull again)."""
-        nxt = getattr(self.grid, "next_arrival", None)
-        if not callable(nxt) or not (self.flights or self.eval_flights):
-            return False
-        t = nxt([*self.flights, *self.eval_flights])
-        return t is not None and t <= self.clock.now()
-
-    _finish = async_records._finish
+        self.evaluation.drain()
+        self.recorder.finish()
+        return self.recorder.records
 
 
 def run_async_server(grid: Grid, cfg: RunConfig, run_dir: str | Path | None, *,
@@ -501,4 +479,4 @@ def run_async_server(grid: Grid, cfg: RunConfig, run_dir: str | Path | None, *,
     RunFailed
         No buffer changed the model, or the run stalled.
     """
-    return _AsyncRun(grid, cfg, run_dir, on_round, model_fn, evaluate_fn).run()
+    return AsyncRun(grid, cfg, run_dir, on_round, model_fn, evaluate_fn).run()
