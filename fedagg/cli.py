@@ -186,7 +186,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
         # site worker pools of actors Ray tore down without a cleanup (they may still be leaving)
         sweep_stale_pools(wait_for=_WATCH.known, wait_s=15.0)
-    report = _write_report(run_dir)
+    from fedagg.viz.run_report import write_run_report
+
+    report = write_run_report(run_dir)
     if len(records) < cfg.run.rounds + 1:
         console.print(f"[red]the run stopped after {max(len(records) - 1, 0)} of {cfg.run.rounds} rounds; "
                       f"see the log above[/]")
@@ -223,19 +225,6 @@ def _checkpoint_round(run_dir: Path) -> int | None:
         with np.load(run_dir / "checkpoint.npz", allow_pickle=False) as npz:
             return int(json.loads(bytes(npz["meta"]).decode())["round"])
     except (OSError, KeyError, ValueError, TypeError):
-        return None
-
-
-def _write_report(run_dir: Path) -> Path | None:
-    """``run_dir/report.html`` from its metrics.json; None (and a warning) if it cannot be made."""
-    from fedagg.viz.run_report import write_report
-
-    if not (run_dir / "metrics.json").is_file():
-        return None
-    try:
-        return write_report(run_dir)
-    except (FedaggError, OSError) as exc:
-        logging.getLogger(__name__).warning("no report.html: %s", exc)
         return None
 
 

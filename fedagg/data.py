@@ -40,6 +40,7 @@ __all__ = [
     "DATASETS",
     "DEFAULT_FASHION_DIR",
     "Dataset",
+    "dataset_shape",
     "load_dataset",
     "partition",
     "partition_dirichlet",
@@ -113,6 +114,20 @@ def load_dataset(
             "set dataset to one of the known names",
         )
     )
+
+
+_SHAPES: dict[str, tuple[tuple[int, int, int], int]] = {
+    "digits": ((1, 8, 8), 10),
+    "fashion-mnist": ((1, 28, 28), 10),
+}
+
+
+def dataset_shape(name: str) -> tuple[tuple[int, int, int], int] | None:
+    """``(input_shape, num_classes)`` of a built-in data set, without loading it; None for a
+    name that is not one (spelled as :func:`load_dataset` accepts it)."""
+    key = name.strip().lower().replace("_", "-")
+    key = "fashion-mnist" if key in ("fashionmnist", "fmnist") else key
+    return _SHAPES.get(key)
 
 
 def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:

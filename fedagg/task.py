@@ -262,7 +262,9 @@ class _DefaultStep:
 
 
 def default_evaluate(loss: LossFn) -> EvaluateFn:
-    """Mean loss and accuracy (arg-max of the outputs) over the evaluation batches."""
+    """Mean loss over the evaluation batches, and the accuracy (arg-max of the outputs) when
+    the task is a classification: ``[N, classes]`` outputs and integer targets. A regression
+    (floating-point targets) gets ``eval_loss`` only, no ``eval_acc`` of 0."""
     return _DefaultEvaluate(loss)
 
 
@@ -275,16 +277,21 @@ class _DefaultEvaluate:
                  ) -> dict[str, float]:
         model.eval()
         total, correct, count = 0.0, 0, 0
+        classification = True
         for batch in batches:
             x, y = _inputs_targets(to_device(batch, ctx.device))
             out = model(x)
             n = int(y.shape[0])
             total += float(self.loss(out, y)) * n
-            if out.ndim == 2:
+            if out.ndim == 2 and out.shape[1] > 1 and not torch.is_floating_point(y):
                 correct += int((out.argmax(1) == y).sum())
+            else:
+                classification = False
             count += n
-        return {"eval_loss": total / max(count, 1), "eval_acc": correct / max(count, 1),
-                "num-examples": float(count)}
+        result = {"eval_loss": total / max(count, 1), "num-examples": float(count)}
+        if classification:
+            result["eval_acc"] = correct / max(count, 1)
+        return result
 
 
 @dataclass(frozen=True)
@@ -309,7 +316,8 @@ class Task:
         ``(model, batch, StepContext) -> mean loss of the batch`` replacing the default step.
     evaluate : callable, optional
         ``(model, batches, EvalContext) -> {"eval_loss": ..., "eval_acc": ..., ...}``
-        replacing the default evaluation.
+        replacing the default evaluation (mean loss, and accuracy for a classification:
+        :func:`default_evaluate`); its keys are the metric names the sites report.
     comm_hook, hook_state : callable and object, optional
         A communication hook for the site's per-step gradient all-reduce, PyTorch DDP's
         ``register_comm_hook(state, hook)`` seam: ``hook(state, bucket) -> reduced tensor``,

@@ -18,10 +18,15 @@ REPORT_CSS = """
 REPORT_BODY = """
 <h1 id="title">fedagg run report</h1>
 <div class="muted small" id="subtitle"></div>
+<div class="muted small" id="provenance"></div>
 <div class="kv" id="summary"></div>
-<h2>Model quality</h2><div class="charts" id="quality"></div>
+<h2>Model quality</h2><div class="muted small" id="quality-note"></div><div class="charts" id="quality"></div>
+<div id="federated-box"><h2>Federated evaluation</h2><div class="muted small" id="federated-note"></div>
+<div class="charts" id="federated"></div></div>
+<div id="async-box"><h2>Versions and staleness</h2><div class="muted small" id="async-note"></div>
+<div class="charts" id="async"></div></div>
 <h2>Traffic</h2><div class="muted small" id="traffic-note"></div><div class="charts" id="traffic"></div>
-<h2>Time per round</h2><div class="charts" id="time"></div>
+<h2>Time per round</h2><div class="muted small" id="time-note"></div><div class="charts" id="time"></div>
 <h2>Sites &times; rounds</h2>
 <div class="muted small">Hover a cell for the reason. Rows <i>site p</i> are partition ids
 (accepted = its update went into the aggregate); rows <i>node n</i> are Flower node ids whose
@@ -110,12 +115,12 @@ REPORT_JS = r"""
                                        fill: "#5b6475"}, svg).textContent = String(x);
     });
     el("text", {x: (L + W - R) / 2, y: H - 4, "text-anchor": "middle", "font-size": 11, fill: "#5b6475"}, svg)
-      .textContent = "round";
+      .textContent = opts.xlabel || XLABEL;
     const bars = series.filter(function (s) { return s.kind === "bar"; });
     const slot = (W - L - R) / Math.max(n, 1), bw = Math.max(1, slot * 0.8 / Math.max(bars.length, 1));
     series.forEach(function (s, si) {
       const colour = s.colour || COLOURS[si % COLOURS.length];
-      const g = el("g", {"data-series": s.name}, svg);
+      const g = el("g", {"data-series": s.key || s.name}, svg);
       if (s.kind === "bar") {
         const bi = bars.indexOf(s);
         s.values.forEach(function (v, i) {
@@ -146,33 +151,81 @@ REPORT_JS = r"""
     return svg;
   }
 
-  // header and summary
+  // header and summary: what the run was (the model and data it used, its metrics, its mode)
   const cfg = D.config || {};
+  const A = D.about, M = A.mode, TM = A.time;
+  const XLABEL = M.name === "fedbuff" ? "record (one per applied buffer)" : "round";
   document.getElementById("title").textContent = "fedagg run report: " + D.run;
   const parts = [];
-  if (cfg.run) parts.push(cfg.run.sites + " sites, " + cfg.run.rounds + " rounds");
-  if (cfg.data) parts.push(cfg.data.dataset + " (" + cfg.data.partitioner + ")");
-  if (cfg.model) parts.push("model " + cfg.model.name);
-  if (cfg.strategy) parts.push("strategy " + cfg.strategy.name);
+  if (cfg.run) parts.push(cfg.run.sites + " sites, " + cfg.run.rounds + (M.name === "fedbuff" ? " buffers" : " rounds"));
+  if (A.data) parts.push("data " + A.data);
+  if (A.model) parts.push("model " + A.model + (A.model_size ? " (" + A.model_size + ")" : ""));
+  parts.push(M.text);
+  if (cfg.strategy) parts.push("strategy " + cfg.strategy.name + (cfg.strategy.secure ? " (secure)" : ""));
   if (cfg.compression) parts.push("compression up " + cfg.compression.up + ", down " + cfg.compression.down);
   document.getElementById("subtitle").textContent = parts.join(" \u00b7 ");
+  document.getElementById("provenance").textContent = "Model: " + (A.model_note || "unknown") +
+    ". Data: " + (A.data_note || "unknown") + ".";
   const last = function (xs) { for (let i = xs.length - 1; i >= 0; i--) if (xs[i] !== null) return xs[i]; return null; };
-  const T = D.traffic;
+  const T = D.traffic, LAB = A.metric_labels;
+  const hasAcc = D.accuracy.some(function (v) { return v !== null; });
   const summary = document.getElementById("summary");
-  [["final accuracy", fmtNum(last(D.accuracy), 4)], ["final loss", fmtNum(last(D.loss), 4)],
-   ["rounds", String(Math.max(0, D.rounds.length - 1))],
-   ["bytes up (total)", fmtBytes(last(T.cum_up))], ["bytes down (total)", fmtBytes(last(T.cum_down))],
-   ["up vs dense fp32", T.ratio_up_total === null ? "\u2013" : fmtNum(T.ratio_up_total, 3) + "\u00d7"],
-   ["total seconds", fmtNum(D.seconds.reduce(function (a, b) { return a + (b || 0); }, 0), 1)]
-  ].forEach(function (kv) { const d = h("div", null, kv[0], summary); h("b", null, kv[1], d); });
+  const kv = [];
+  if (hasAcc) kv.push(["final " + LAB.accuracy, fmtNum(last(D.accuracy), 4)]);
+  kv.push(["final " + LAB.loss, fmtNum(last(D.loss), 4)]);
+  if (M.name === "sync") kv.push(["rounds", String(Math.max(0, D.rounds.length - 1))]);
+  else kv.push(["records / model versions", String(Math.max(0, D.rounds.length - 1)) + " / " + (M.versions === null ? "\u2013" : M.versions)]);
+  kv.push(["mode", M.name === "sync" ? "synchronous" : M.name === "fedbuff" ? "FedBuff" : M.name]);
+  if (M.name !== "sync") kv.push(["staleness mean / max", fmtNum(M.mean_staleness, 2) + " / " + (M.max_staleness === null ? "\u2013" : M.max_staleness)]);
+  kv.push(["wall time", fmtNum(TM.wall, 1) + " s", TM.wall_how]);
+  if (TM.startup !== null) kv.push(["engine start-up", fmtNum(TM.startup, 1) + " s", "round 0's seconds_startup: the simulation engine's start, before round 1"]);
+  kv.push([M.name === "sync" ? "in rounds" : "in records", fmtNum(TM.rounds_total, 1) + " s", "the records' seconds summed (round 1 on)"]);
+  if (TM.simulated !== undefined) kv.push(["simulated time", fmtNum(TM.simulated, 1) + " s", "the virtual clock of the simulated site speeds"]);
+  kv.push(["bytes up (total)", fmtBytes(last(T.cum_up))], ["bytes down (total)", fmtBytes(last(T.cum_down))]);
+  kv.push(["up vs dense fp32", T.ratio_up_total === null ? "\u2013" : fmtNum(T.ratio_up_total, 3) + "\u00d7"]);
+  kv.forEach(function (item) {
+    const d = h("div", {"data-key": item[0]}, item[0], summary);
+    const b = h("b", null, item[1], d);
+    if (item[2]) d.title = item[2];
+  });
 
   const xs = D.rounds;
   const q = document.getElementById("quality");
-  chart(q, "accuracy", "Accuracy (central test set)", xs, [{name: "accuracy", values: D.accuracy}], {ymax: 1});
-  const lossSeries = [{name: "loss", values: D.loss, colour: COLOURS[1]}];
+  document.getElementById("quality-note").textContent = A.own_model ?
+    "The central evaluation of the run (evaluate_fn) records two values, kept as 'loss' and 'accuracy' in metrics.json; they are named here as given to the report (metrics=...), else by their position." :
+    "Central evaluation on the server's test split of the built-in data set.";
+  const cap = function (t) { return t.charAt(0).toUpperCase() + t.slice(1); };
+  if (hasAcc) chart(q, "accuracy", cap(LAB.accuracy) + " (central evaluation)", xs,
+                    [{name: LAB.accuracy, key: "accuracy", values: D.accuracy}], A.accuracy_bounded ? {ymax: 1} : {});
+  else h("div", {"class": "muted"}, "No central evaluation of a score in this run.", q);
+  const lossSeries = [{name: LAB.loss, key: "loss", values: D.loss, colour: COLOURS[1]}];
   if (D.train_loss.some(function (v) { return v !== null; }))
-    lossSeries.push({name: "train_loss", values: D.train_loss, colour: COLOURS[3], dash: "5 3"});
-  chart(q, "loss", "Loss", xs, lossSeries);
+    lossSeries.push({name: "train_loss (sites' training)", key: "train_loss", values: D.train_loss, colour: COLOURS[3], dash: "5 3"});
+  chart(q, "loss", cap(LAB.loss) + " (central evaluation)", xs, lossSeries);
+
+  const F = D.federated, fkeys = Object.keys(F.series);
+  if (fkeys.length) {
+    document.getElementById("federated-note").textContent = "The sites' evaluation of the global model on their own held-out data, averaged as recorded (federated_eval), under the metric names the sites report." +
+      (F.dropped.length ? " Left out: " + F.dropped.join(", ") + " (0 in every round: not a classification)." : "");
+    chart(document.getElementById("federated"), "federated", "Federated evaluation", F.rounds,
+          fkeys.map(function (k, i) { return {name: k, values: F.series[k], colour: COLOURS[(i + 4) % COLOURS.length]}; }));
+  } else {
+    document.getElementById("federated-box").style.display = "none";
+  }
+
+  if (M.name !== "sync") {
+    document.getElementById("async-note").textContent = M.text + "; staleness weighting " + (M.staleness || "?") +
+      ". Staleness = model versions between the one a site trained from and the one its update was applied to.";
+    chart(document.getElementById("async"), "staleness", "Staleness of the applied updates", M.xs,
+          [{name: "updates applied", key: "updates", values: M.updates, kind: "bar", colour: "#adb5bd"},
+           {name: "staleness_mean", values: M.staleness_mean, colour: COLOURS[2]},
+           {name: "staleness_max", values: M.staleness_max, colour: COLOURS[6], dash: "5 3"}],
+          {fmt: function (v) { return fmtNum(v, 1); }});
+    chart(document.getElementById("async"), "versions", "Model version per record", M.xs,
+          [{name: "version", values: M.version, colour: COLOURS[0]}], {fmt: function (v) { return fmtNum(v, 0); }});
+  } else {
+    document.getElementById("async-box").style.display = "none";
+  }
 
   const tr = document.getElementById("traffic");
   const note = document.getElementById("traffic-note");
@@ -188,9 +241,12 @@ REPORT_JS = r"""
     {name: "ratio_down", values: T.ratio_down, colour: COLOURS[1]}], {ymax: 1});
 
   const tm = document.getElementById("time");
+  document.getElementById("time-note").textContent = (TM.startup !== null ?
+    "The engine's start-up (" + fmtNum(TM.startup, 1) + " s, before round 1) is not a round and is not plotted. " : "") +
+    "Wall time " + fmtNum(TM.wall, 1) + " s: " + TM.wall_how + ".";
   const phaseSeries = [{name: "seconds", values: D.seconds, colour: "#1d2330"}];
   Object.keys(D.phases).forEach(function (k, i) { phaseSeries.push({name: k, values: D.phases[k], colour: COLOURS[(i + 1) % COLOURS.length]}); });
-  chart(tm, "phases", "Seconds per round and per phase", xs, phaseSeries, {width: 600, fmt: function (v) { return fmtNum(v, 2); }});
+  chart(tm, "phases", "Seconds per round and per phase", D.time_rounds, phaseSeries, {width: 600, fmt: function (v) { return fmtNum(v, 2); }});
 
   // site x round map
   const HM = D.heatmap, hm = document.getElementById("sites-map");

@@ -21,6 +21,29 @@ What the page shows, and where each figure comes from (all from the run director
   ``secagg_dropped``, ...);
 * the effective configuration (``config.json``).
 
+What the run was, in the header: the model and the data *the run used*, the name of each
+plotted metric, the aggregation mode and the times. The model is the one the caller names
+(``model=``: a name, or the user's model factory, e.g. ``make_app``'s ``model_fn``), else the
+one round 0's record names (``task.model``), else the built-in ``model.name`` of
+``config.json`` -- only when the run's final model (``model.npz`` / the checkpoint) has that
+model's tensors; a run of a model of the user's is shown as such, with its size, and its
+data as the sites' own unless named (``data=``, ``task.data``). The central evaluation's two
+values are recorded as ``loss`` and ``accuracy``: they are named so for the built-in
+evaluation only; for a user's ``evaluate_fn`` they are its first and second value unless
+named (``metrics={"loss": "MSE", "accuracy": "R²"}``, ``task.metrics``). Federated
+evaluation (``federated_eval``: the sites' own metric names) is plotted as recorded; an
+``eval_acc`` that is 0 in every round (what a regression's sites reported before fedagg's
+default evaluation stopped counting classes there) is left out, with a note.
+
+Mode: ``mode`` of the records or ``asynchronous.mode`` of the config -- synchronous rounds,
+FedBuff (buffer size, concurrency) or deadline rounds; for the asynchronous modes the model
+versions and the staleness of the applied updates (``version``, ``updates``,
+``staleness_mean``, ``staleness_max``) per record. Time: the engine's start-up
+(``seconds_startup`` of round 0) is shown on its own, never in the per-round chart; the wall
+time is the asynchronous records' ``wall_seconds`` summed, or for synchronous runs the time
+from ``config.json`` (written at the start) to the last ``metrics.json`` write (the file
+times), or when those are not usable (a copied directory), the recorded times summed.
+
 The values plotted are embedded as JSON (``#fedagg-data``); the page's script draws them and
 tags every plotted point with its value (``data-value``), so a test can compare both with
 ``metrics.json``.
@@ -36,21 +59,28 @@ strings; ``site_metrics`` one object per site), nested at most 32 levels. Anythi
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fedagg.errors import ConfigError, explain
+from fedagg.errors import ConfigError, FedaggError, explain
 from fedagg.report import atomic_write_bytes
 from fedagg.viz._page import page
 from fedagg.viz._report_js import REPORT_BODY, REPORT_CSS, REPORT_JS
 
-__all__ = ["REPORT_NAME", "count_parameters", "render_report", "report_data", "write_report"]
+__all__ = ["REPORT_NAME", "count_parameters", "render_report", "report_data", "write_report",
+           "write_run_report"]
+
+_log = logging.getLogger(__name__)
+
+Named = str | Callable[..., Any] | type | None
+"""A model or data set as the caller names it: a string, or the user's function / class."""
 
 REPORT_NAME = "report.html"
 """File name of the report inside a run directory."""
@@ -71,24 +101,52 @@ def _norm(metrics: Mapping[str, Any]) -> dict[str, Any]:
     return {str(k).replace("-", "_"): v for k, v in metrics.items()}
 
 
-def count_parameters(run_dir: str | Path) -> int | None:
-    """Number of model parameters of a run: from ``model.npz``, else the checkpoint; or None."""
+def _npz_shapes(path: Path) -> list[tuple[str, tuple[int, ...]]]:
+    """``(name, shape)`` of every array of an ``.npz``, read from the headers (no data)."""
+    out = []
+    with zipfile.ZipFile(path) as zf:
+        for info in zf.infolist():
+            if not info.filename.endswith(".npy"):
+                continue
+            with zf.open(info) as fh:
+                version = np.lib.format.read_magic(fh)
+                if version == (1, 0):
+                    shape, _, _ = np.lib.format.read_array_header_1_0(fh)
+                else:
+                    shape, _, _ = np.lib.format.read_array_header_2_0(fh)
+            out.append((info.filename[:-4], tuple(int(n) for n in shape)))
+    return out
+
+
+def model_shapes(run_dir: str | Path) -> list[tuple[str, tuple[int, ...]]] | None:
+    """``(tensor name, shape)`` of the run's final model, in order: from ``model.npz``, else
+    the checkpoint's model arrays (named ``a0``, ``a1``, ...); None when neither is readable."""
     d = Path(run_dir)
     try:
         if (d / "model.npz").is_file():
-            with np.load(d / "model.npz", allow_pickle=False) as npz:
-                return int(sum(npz[k].size for k in npz.files))
+            return _npz_shapes(d / "model.npz")
         if (d / "checkpoint.npz").is_file():
             with np.load(d / "checkpoint.npz", allow_pickle=False) as npz:
                 meta = json.loads(bytes(npz["meta"]).decode())
-                return int(sum(npz[f"a{i}"].size for i in range(int(meta["num_model_arrays"]))))
+                n = int(meta["num_model_arrays"])
+            shapes = dict(_npz_shapes(d / "checkpoint.npz"))
+            return [(f"a{i}", shapes[f"a{i}"]) for i in range(n)]
     except (OSError, KeyError, ValueError, TypeError, zipfile.BadZipFile, RecursionError):
         return None
     return None
 
 
-_NUMBER_KEYS = ("accuracy", "loss", "train_loss", "seconds")
-_COUNT_KEYS = ("bytes_up", "bytes_down", "sites_sampled", "sites_replied", "sites_failed")
+def count_parameters(run_dir: str | Path) -> int | None:
+    """Number of model parameters of a run: from ``model.npz``, else the checkpoint; or None."""
+    shapes = model_shapes(run_dir)
+    return None if shapes is None else int(sum(math.prod(s) for _, s in shapes))
+
+
+_NUMBER_KEYS = ("accuracy", "loss", "train_loss", "seconds", "wall_seconds", "time",
+                "staleness_mean")
+_COUNT_KEYS = ("bytes_up", "bytes_down", "sites_sampled", "sites_replied", "sites_failed",
+               "version", "updates", "staleness_max", "in_flight")
+_TEXT_MAX = 200
 _NUMBER_PREFIXES = ("seconds_", "secagg_")
 _SITE_NUMBER_KEYS = frozenset(_SITE_KEYS) | {k.replace("_", "-") for k in _SITE_KEYS}
 _MAX_DEPTH = 32
@@ -195,6 +253,27 @@ def _check_record(i: int, rec: Any) -> None:
         for node, why in rejected.items():
             if not isinstance(why, str):
                 raise _Refused(f"{at}.rejected[{_key(node)}]", why, "a reason must be a string")
+    if "mode" in rec and not isinstance(rec["mode"], str):
+        raise _Refused(f"{at}.mode", rec["mode"], "must be a string (fedbuff, deadline)")
+    fed = rec.get("federated_eval")
+    if fed is not None:
+        if not isinstance(fed, dict):
+            raise _Refused(f"{at}.federated_eval", fed, "must be an object {metric: number}")
+        for key, value in fed.items():
+            _check_number(f"{at}.federated_eval.{_name(key)}", value)
+    task = rec.get("task")
+    if task is not None:
+        if not isinstance(task, dict):
+            raise _Refused(f"{at}.task", task, "must be an object (model, data, metrics)")
+        for key in ("model", "data"):
+            if key in task and not (isinstance(task[key], str) and len(task[key]) <= _TEXT_MAX):
+                raise _Refused(f"{at}.task.{key}", task[key],
+                               f"must be a name (a string of at most {_TEXT_MAX} characters)")
+        names = task.get("metrics")
+        if names is not None and not (isinstance(names, dict) and all(
+                isinstance(v, str) and len(v) <= _TEXT_MAX for v in names.values())):
+            raise _Refused(f"{at}.task.metrics", names,
+                           "must be an object {recorded key: name} of strings")
     per_site = rec.get("site_metrics")
     if per_site is not None:
         if not isinstance(per_site, dict):
@@ -405,8 +484,205 @@ def _secagg(records: list[dict[str, Any]]) -> dict[str, Any]:
             "values": {k: [_number(r.get(k)) for r in records if r.get("round", 0)] for k in keys}}
 
 
-def report_data(run_dir: str | Path) -> dict[str, Any]:
+def _name_of(obj: Named) -> str | None:
+    """A name for what the caller passed: the string, or a function's / class's name."""
+    if obj is None:
+        return None
+    if isinstance(obj, str):
+        return obj.strip()[:_TEXT_MAX] or None
+    name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
+    return str(name)[:_TEXT_MAX] if name else type(obj).__name__
+
+
+def _section(config: Mapping[str, Any], name: str) -> dict[str, Any]:
+    value = config.get(name)
+    return value if isinstance(value, dict) else {}
+
+
+def builtin_model_matches(run_dir: str | Path, config: Mapping[str, Any]) -> bool | None:
+    """Whether the run's final model has exactly the tensors of the built-in model that
+    ``config.json`` names (``model.name`` on ``data.dataset``): True / False, or None when that
+    cannot be told (no model file, an unknown data set or model, no torch).
+
+    The built-in model is built on torch's ``meta`` device (shapes only, no memory).
+    """
+    shapes = model_shapes(run_dir)
+    name = _section(config, "model").get("name")
+    dataset = _section(config, "data").get("dataset")
+    if shapes is None or not isinstance(name, str) or not isinstance(dataset, str):
+        return None
+    from fedagg.data import dataset_shape
+
+    dims = dataset_shape(dataset)
+    if dims is None:
+        return None
+    try:
+        import torch
+
+        from fedagg.models import build_model
+
+        params = _section(config, "model").get("params")
+        with torch.device("meta"):
+            net = build_model(name, dims[0], dims[1],
+                              params=params if isinstance(params, int) else None)
+        want = [(k, tuple(t.shape)) for k, t in net.state_dict().items()]
+    except Exception:  # no torch, or a config the built-in models refuse: cannot tell
+        return None
+    if shapes and shapes[0][0] == "a0" and "a0" not in dict(want):  # a checkpoint: no names
+        return [s for _, s in shapes] == [s for _, s in want]
+    return shapes == want
+
+
+def _fmt_count(n: int) -> str:
+    return f"{n:,}"
+
+
+def _describe(d: Path, records: list[dict[str, Any]], config: dict[str, Any], *,
+              model: Named, data: Named, metrics: Mapping[str, str] | None) -> dict[str, Any]:
+    """What the run was: model, data, the names of the plotted metrics, mode and times."""
+    task: dict[str, Any] = next((r["task"] for r in records if isinstance(r.get("task"), dict)),
+                                {})
+    cfg_model, cfg_data = _section(config, "model"), _section(config, "data")
+    params = count_parameters(d)
+    shapes = model_shapes(d)
+    size = (f"{_fmt_count(params)} parameters in {len(shapes)} tensors"
+            if params is not None and shapes is not None else None)
+    builtin = builtin_model_matches(d, config)
+    model_name, model_note = _name_of(model), "named by the caller"
+    if model_name is None and isinstance(task.get("model"), str):
+        model_name, model_note = task["model"], "from the run record"
+    if model_name is None:
+        cfg_name = cfg_model.get("name")
+        if builtin is False:
+            model_name = "a model of the user's"
+            model_note = (f"the final model's tensors are not those of the built-in "
+                          f"{cfg_name!r} that config.json names")
+        elif isinstance(cfg_name, str):
+            model_name = cfg_name
+            model_note = ("built-in (model.name; the final model has its tensors)" if builtin
+                          else "model.name of config.json (no model file to check it by)")
+    data_name, data_note = _name_of(data), "named by the caller"
+    if data_name is None and isinstance(task.get("data"), str):
+        data_name, data_note = task["data"], "from the run record"
+    own = builtin is False or (builtin is None and (model is not None or "model" in task))
+    if data_name is None:
+        if own:
+            data_name, data_note = "the sites' own", "not recorded in the run"
+        elif isinstance(cfg_data.get("dataset"), str):
+            parts = [str(cfg_data.get("partitioner", "?"))]
+            if cfg_data.get("partitioner") == "dirichlet" and "dirichlet_alpha" in cfg_data:
+                parts.append(f"alpha {cfg_data['dirichlet_alpha']}")
+            data_name = f"{cfg_data['dataset']} ({', '.join(parts)})"
+            data_note = "built-in (data.dataset of config.json)"
+    recorded = task.get("metrics")
+    names: dict[str, str] = {**(recorded if isinstance(recorded, dict) else {}),
+                             **dict(metrics or {})}
+    if own:
+        labels = {"accuracy": names.get("accuracy", "score: evaluate_fn's 2nd value"),
+                  "loss": names.get("loss", "loss: evaluate_fn's 1st value")}
+        bounded = "accuracy" in names.get("accuracy", "").lower()
+    else:
+        labels = {"accuracy": names.get("accuracy", "accuracy"),
+                  "loss": names.get("loss", "loss")}
+        bounded = "accuracy" not in names or "accuracy" in names["accuracy"].lower()
+    return {"model": model_name, "model_note": model_note, "model_size": size,
+            "data": data_name, "data_note": data_note, "own_model": own,
+            "metric_labels": labels, "accuracy_bounded": bounded,
+            "mode": _mode(records, config), "time": _times(d, records)}
+
+
+def _mode(records: list[dict[str, Any]], config: dict[str, Any]) -> dict[str, Any]:
+    """Synchronous rounds, FedBuff or deadline rounds, with what describes each."""
+    asyn = _section(config, "asynchronous")
+    mode = next((r["mode"] for r in records if isinstance(r.get("mode"), str)), None)
+    mode = mode or (asyn.get("mode") if asyn.get("mode") not in (None, "off") else "sync")
+    out: dict[str, Any] = {"name": mode}
+    if mode == "sync":
+        out["text"] = "synchronous rounds"
+        return out
+    later = [r for r in records if r.get("round", 0)]
+    versions: list[int] = [r["version"] for r in later if isinstance(r.get("version"), int)]
+    stale_mean = [_number(r.get("staleness_mean")) for r in later]
+    stale_max = [_number(r.get("staleness_max")) for r in later]
+    updates = [_number(r.get("updates")) for r in later]
+    if mode == "fedbuff":
+        text = (f"FedBuff: buffer of {asyn.get('buffer_size', '?')} updates, "
+                f"{asyn.get('concurrency') or '?'} sites training at a time")
+    elif mode == "deadline":
+        text = f"deadline rounds of {asyn.get('deadline', '?')} s (late updates kept)"
+    else:
+        text = str(mode)
+    weights = [_number(v) for v in stale_mean if v is not None]
+    out.update(text=text, versions=max(versions) if versions else None,
+               staleness=asyn.get("staleness"), xs=[r.get("round") for r in later],
+               version=[r.get("version") for r in later], staleness_mean=stale_mean,
+               staleness_max=stale_max, updates=updates,
+               mean_staleness=(sum(v for v in weights if v is not None) / len(weights)
+                               if weights else None),
+               max_staleness=max((v for v in stale_max if v is not None), default=None))
+    return out
+
+
+def _times(d: Path, records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Start-up apart from the rounds, and the wall time (how it was measured)."""
+    startup = next((_number(r.get("seconds_startup")) for r in records
+                    if r.get("round") == 0 and _number(r.get("seconds_startup")) is not None),
+                   None)
+    rounds = sum(v or 0.0 for r in records if r.get("round", 0)
+                 for v in [_number(r.get("seconds"))])
+    out: dict[str, Any] = {"startup": startup, "rounds_total": rounds}
+    walls = [_number(r.get("wall_seconds")) for r in records]
+    if any(v is not None for v in walls):  # the asynchronous loop records its wall time
+        out["wall"] = sum(v or 0.0 for v in walls) + (startup or 0.0)
+        out["wall_how"] = "the records' wall_seconds summed, with the start-up"
+        clock = [_number(r.get("time")) for r in records]
+        last = max((v for v in clock if v is not None), default=None)
+        if last is not None and abs(last - out["wall"]) > 1.0 and not (
+                0.5 * out["wall"] <= last <= 2.0 * out["wall"]):
+            out["simulated"] = last  # a virtual clock (simulated site speeds)
+        return out
+    recorded = rounds + (startup or 0.0)
+    try:
+        span = (d / "metrics.json").stat().st_mtime - (d / "config.json").stat().st_mtime
+    except OSError:
+        span = -1.0
+    if span >= recorded > 0 or (span > 0 and recorded == 0):
+        out["wall"], out["wall_how"] = span, ("config.json (written at the start) to the last "
+                                              "metrics.json write")
+    else:
+        out["wall"], out["wall_how"] = recorded, "the recorded round times and start-up, summed"
+    return out
+
+
+def _federated(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Federated evaluation per round, under the sites' own metric names."""
+    later = [r for r in records if r.get("round", 0)]
+    keys = sorted({str(k) for r in later for k in (r.get("federated_eval") or {})
+                   if k not in ("num-examples", "num_examples")})
+    series = {k: [_number((r.get("federated_eval") or {}).get(k)) for r in later] for k in keys}
+    dropped = [k for k in keys if k in ("eval_acc", "eval-acc")
+               and all(v == 0.0 for v in series[k] if v is not None)
+               and any(v is not None for v in series[k])]
+    for k in dropped:
+        del series[k]
+    return {"rounds": [r.get("round") for r in later], "series": series, "dropped": dropped}
+
+
+def report_data(run_dir: str | Path, *, model: Named = None, data: Named = None,
+                metrics: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Everything the report plots, read from ``run_dir`` (JSON-ready).
+
+    Parameters
+    ----------
+    run_dir : path
+        A run directory (``metrics.json``, optionally ``config.json``, ``model.npz``).
+    model, data : str or callable, optional
+        What the run trained, as the caller knows it: a name, or the user's model factory /
+        data function (its name is shown). Default: what the run record names, else the
+        built-in ones of ``config.json`` when the final model is that model.
+    metrics : mapping, optional
+        Names of the central evaluation's recorded values, e.g. ``{"loss": "MSE",
+        "accuracy": "R²"}`` for a regression's ``evaluate_fn``.
 
     Raises
     ------
@@ -416,18 +692,23 @@ def report_data(run_dir: str | Path) -> dict[str, Any]:
     """
     d = Path(run_dir)
     records, config = _load(d)
-    phases = sorted({k for r in records for k in r if str(k).startswith("seconds_")})
+    phases = sorted({k for r in records for k in r if str(k).startswith("seconds_")} -
+                    {"seconds_startup"})
+    later = [r for r in records if r.get("round", 0)]
     return {
         "run": d.name,
         "title": str(config.get("run", {}).get("name", d.name)) if isinstance(
             config.get("run"), dict) else d.name,
+        "about": _describe(d, records, config, model=model, data=data, metrics=metrics),
         "rounds": [r.get("round") for r in records],
         "accuracy": _series(records, "accuracy"),
         "loss": _series(records, "loss"),
         "train_loss": _series(records, "train_loss"),
         "traffic": _traffic(records, count_parameters(d)),
-        "seconds": _series(records, "seconds"),
-        "phases": {k: _series(records, k) for k in phases},
+        "time_rounds": [r.get("round") for r in later],
+        "seconds": _series(later, "seconds"),
+        "phases": {k: _series(later, k) for k in phases},
+        "federated": _federated(records),
         "heatmap": _heatmap(records, config),
         "sites": _sites(records),
         "secagg": _secagg(records),
@@ -435,14 +716,39 @@ def report_data(run_dir: str | Path) -> dict[str, Any]:
     }
 
 
-def render_report(run_dir: str | Path) -> str:
-    """The HTML of the report of ``run_dir``."""
-    data = report_data(run_dir)
-    return page(f"fedagg report: {data['run']}", REPORT_BODY, data, REPORT_JS, css=REPORT_CSS)
+def render_report(run_dir: str | Path, *, model: Named = None, data: Named = None,
+                  metrics: Mapping[str, str] | None = None) -> str:
+    """The HTML of the report of ``run_dir`` (arguments: :func:`report_data`)."""
+    data_ = report_data(run_dir, model=model, data=data, metrics=metrics)
+    return page(f"fedagg report: {data_['run']}", REPORT_BODY, data_, REPORT_JS, css=REPORT_CSS)
 
 
-def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Write the report (default ``run_dir/report.html``) atomically; returns its path."""
+def write_report(run_dir: str | Path, out: str | Path | None = None, *, model: Named = None,
+                 data: Named = None, metrics: Mapping[str, str] | None = None) -> Path:
+    """Write the report (default ``run_dir/report.html``) atomically; returns its path.
+
+    ``model``, ``data``, ``metrics``: see :func:`report_data`.
+    """
     path = Path(out) if out is not None else Path(run_dir) / REPORT_NAME
-    atomic_write_bytes(path, render_report(run_dir).encode("utf-8"))
+    html = render_report(run_dir, model=model, data=data, metrics=metrics)
+    atomic_write_bytes(path, html.encode("utf-8"))
     return path
+
+
+def write_run_report(run_dir: str | Path | None, *, model: Named = None, data: Named = None,
+                     metrics: Mapping[str, str] | None = None) -> Path | None:
+    """``run_dir/report.html`` at the end of a run, never raising: the path, or None (with
+    one warning) when the run wrote no ``metrics.json`` or the report cannot be made.
+
+    For the code that ran the run (``fedagg simulate``; a ServerApp built with
+    ``server.app.make_app``, which passes its ``model_fn``), so that a failed report never
+    fails the run.
+    """
+    if run_dir is None or not (Path(run_dir) / "metrics.json").is_file():
+        return None
+    try:
+        return write_report(run_dir, model=model, data=data, metrics=metrics)
+    except (FedaggError, OSError) as exc:
+        _log.warning("no report.html: %s", exc)
+        return None
+

@@ -15,7 +15,8 @@ def make_run(path: Path) -> list[dict[str, Any]]:
     """Write metrics.json, config.json and model.npz under ``path``; returns the records."""
     path.mkdir(parents=True, exist_ok=True)
     records: list[dict[str, Any]] = [
-        {"round": 0, "accuracy": 0.1, "loss": 2.3, "bytes_up": 0, "bytes_down": 0, "seconds": 0.0},
+        {"round": 0, "accuracy": 0.1, "loss": 2.3, "bytes_up": 0, "bytes_down": 0, "seconds": 0.0,
+         "seconds_startup": 13.7},
         {"round": 1, "accuracy": 0.5, "loss": 1.5, "bytes_up": 2100, "bytes_down": 12300,
          "sites_sampled": 3, "sites_replied": 3, "sites_failed": 0, "sites_rejected": 1,
          "seconds": 3.5, "seconds_train": 3.0, "seconds_eval": 0.5, "seconds_exchange": 2.9,

@@ -19,8 +19,10 @@ def test_series_equal_metrics_json(tmp_path: Path) -> None:
     assert d["rounds"] == [0, 1, 2, 3]
     assert d["accuracy"] == [r["accuracy"] for r in records]
     assert d["loss"] == [r["loss"] for r in records]
-    assert d["seconds"] == [r["seconds"] for r in records]
-    assert d["phases"]["seconds_train"] == [None, 3.0, 1.0, 0.75]
+    # times per round from round 1 (round 0 is the untrained model, not a round)
+    assert d["time_rounds"] == [1, 2, 3]
+    assert d["seconds"] == [r["seconds"] for r in records[1:]]
+    assert d["phases"]["seconds_train"] == [3.0, 1.0, 0.75]
     t = d["traffic"]
     assert t["bytes_up"] == [0, 2100, 2800, 2800] and t["cum_up"] == [0, 2100, 4900, 7700]
     assert t["cum_down"] == [0, 12300, 24600, 36900]
