@@ -21,15 +21,23 @@ TaskIdentity.node_id = 0
 TaskIdentity.task_id = 1
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    """Build the collectives' C++ plan runner once, in the controller, before any worker needs it.
+_PLAN_RUNNER_READY = False
 
-    Workers of a gloo test would otherwise wait for the compiler (about a minute) inside their
-    communication timeout. Cached by torch afterwards; with no compiler this logs a warning
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Build the collectives' C++ plan runner before the first selected test that needs it.
+
+    Tests marked ``gloo`` start torch.distributed processes whose all-reduce runs on the
+    runner; built inside them, the compiler (about a minute on 2 cores, the first time) would
+    run inside their communication timeout, so it is built here, in the pytest process, in the
+    test's setup. Only those tests need it: the fast lane (``-m "not slow"``, no ``gloo``
+    test) never compiles it. Cached by torch afterwards; with no compiler this logs a warning
     and the tests that require the runner fail with the build error.
     """
-    if os.environ.get("PYTEST_XDIST_WORKER"):
+    global _PLAN_RUNNER_READY
+    if _PLAN_RUNNER_READY or item.get_closest_marker("gloo") is None:
         return
+    _PLAN_RUNNER_READY = True
     from fedagg.collectives import plan_runner
 
     if not plan_runner.disabled():

@@ -257,6 +257,7 @@ def _real_runner() -> Path:
     return Path(module.__file__)
 
 
+@pytest.mark.slow  # builds the collectives' C++ plan runner (a C++ compile)
 def test_a_planted_plan_runner_pointer_is_not_followed(shared_tmp: Path) -> None:
     """Another uid made $XDG_CACHE_HOME/fedagg (0777) with fedagg's note of where the built
     runner is, naming its own library (and a matching stamp): not loaded; torch's own build
@@ -291,6 +292,7 @@ def test_a_planted_plan_runner_pointer_is_not_followed(shared_tmp: Path) -> None
     assert f"{theirs}/{real.name}" in err
 
 
+@pytest.mark.slow  # builds the collectives' C++ plan runner (a C++ compile)
 def test_a_torch_extensions_dir_of_another_user_is_not_used(shared_tmp: Path) -> None:
     """TORCH_EXTENSIONS_DIR pointing at a folder another uid made (0777) holding a planted
     build: the runner is neither built nor loaded there; the Python replay runs, with one

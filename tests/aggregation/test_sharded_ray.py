@@ -15,7 +15,7 @@ from strategies.wire import record_to_arrays
 ray = pytest.importorskip("ray")
 from strategies.sharded import ShardActor, ShardedAccumulator  # noqa: E402
 
-pytestmark = pytest.mark.flower  # starts a Ray cluster (grouped with the simulation tests)
+pytestmark = [pytest.mark.slow, pytest.mark.flower]  # starts a Ray cluster (grouped with the simulation tests)
 
 
 @pytest.fixture(scope="module")

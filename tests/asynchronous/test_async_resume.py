@@ -25,6 +25,8 @@ import pytest
 
 from server.checkpoint import load_checkpoint
 
+pytestmark = pytest.mark.slow  # SIGKILLs and resumes real runs in subprocesses (~3 min)
+
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("async_driver.py")
 ROUNDS = 6

@@ -18,7 +18,7 @@ from fedagg.collectives import (
 from fedagg.collectives.backends.torch_dist import run_processes
 from fedagg.errors import CollectiveError, CollectiveTimeout, ConfigError
 
-pytestmark = pytest.mark.gloo
+pytestmark = [pytest.mark.slow, pytest.mark.gloo]
 
 LENGTHS = (0, 1, 2, 3, 13, 101, 40_009)
 

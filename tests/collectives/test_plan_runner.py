@@ -1,4 +1,8 @@
-"""The C++ plan runner's switch and its fallback (the runner itself: test_collectives_gloo.py)."""
+"""The C++ plan runner's switch and its fallback (the runner itself: test_collectives_gloo.py).
+
+The tests that build the runner are in the slow lane (a C++ compile, about a minute on 2
+cores the first time); the switch and the fallback are tested with the build replaced.
+"""
 
 from __future__ import annotations
 
@@ -84,12 +88,14 @@ def test_require_raises_when_the_build_fails(
     assert "no compiler" in str(info.value) and "g++" in str(info.value)
 
 
+@pytest.mark.slow  # compiles the C++ runner (about a minute, the first time)
 def test_the_extension_builds_and_has_a_runner(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(plan_runner.ENV, "require")
     module = plan_runner.load()
     assert module is not None and hasattr(module, "PlanRunner")
 
 
+@pytest.mark.slow  # compiles the C++ runner (about a minute, the first time)
 def test_cli_builds_or_finds_it() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "fedagg.collectives.plan_runner"],
@@ -140,6 +146,7 @@ def _probe(env: dict[str, str]) -> str:
     return out.stdout.strip()
 
 
+@pytest.mark.slow  # compiles the C++ runner (about a minute, the first time)
 def test_a_built_runner_loads_without_the_extension_builder(tmp_path: Path) -> None:
     """Second and later processes import the built module directly (site workers start often)."""
     monkeypatch_env = {plan_runner.ENV: "require"}

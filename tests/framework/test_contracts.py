@@ -97,12 +97,28 @@ def test_a_run_that_aggregates_nothing_fails_loudly_with_each_rounds_reasons(
     assert len(info.value.records) == 3
 
 
-@pytest.mark.parametrize(("override", "words"), [
+BAD_RUNS = [
     ("strategy.name=fedmagic", ["fedmagic", "known:", "fedavg", "flwr:FedAdam"]),
     ("strategy.name=flwr:FedAdamm", ["FedAdamm", "flwr:FedAdam"]),
     ("strategy.options.etaa=1", ["strategy.options", "takes no options"]),
     ("run.sites=500", ["run.sites = 500", "at most 143 sites"]),
-])
+]
+
+
+@pytest.mark.parametrize(("override", "words"), BAD_RUNS)
+def test_bad_names_and_options_are_refused_by_the_cli(override: str, words: list[str],
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from fedagg.cli import main
+
+    for args in (["config", "validate"], ["simulate", "--quiet"]):
+        assert main([*args, "-c", override]) == 2
+        err = capsys.readouterr().err
+        assert all(w in err for w in words), err[-500:]
+        assert "Traceback" not in err
+
+
+@pytest.mark.slow  # two fresh interpreters per case (torch, Flower): 15-30 s each on 2 cores
+@pytest.mark.parametrize(("override", "words"), BAD_RUNS)
 def test_bad_names_and_options_fail_before_any_engine(override: str, words: list[str]) -> None:
     for command in ("config", "simulate"):
         args = ["config", "validate"] if command == "config" else ["simulate", "--quiet"]
@@ -113,6 +129,7 @@ def test_bad_names_and_options_fail_before_any_engine(override: str, words: list
         assert "Traceback" not in proc.stderr and "ray" not in proc.stderr.lower()
 
 
+@pytest.mark.slow  # two fresh interpreters (torch, Flower)
 def test_flower_strategy_options_are_checked_against_the_signature() -> None:
     proc = subprocess.run([sys.executable, "-m", "fedagg.cli", "config", "validate", "-c",
                            "strategy.name=flwr:FedAdam", "-c", "strategy.options.etaa=0.1"],

@@ -168,6 +168,7 @@ def test_shard_loaders_and_a_custom_step_with_two_workers() -> None:
     assert norm(penalised) < norm(plain)  # the step saw the round's config key
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_process_mode_workers_import_the_users_task() -> None:
     inproc = run_site(*_job(TASK, 2))

@@ -354,6 +354,7 @@ def test_rewritten_field_is_refused_naming_file_and_field(
     assert _snapshot(d) == before
 
 
+@pytest.mark.slow  # runs the asynchronous loop again in a subprocess (or fuzzes it), 10-35 s
 def test_the_real_loop_refuses_a_buffer_sum_of_1e30(bases: dict[str, Path], tmp_path: Path
                                                     ) -> None:
     """The issue's attack through the loop itself: before, the resumed run folded one more
@@ -390,6 +391,7 @@ def _versions(run_dir: Path) -> list[tuple[int, str, float, bool]]:
             for r in recs[1:]]
 
 
+@pytest.mark.slow  # runs the asynchronous loop again in a subprocess (or fuzzes it), 10-35 s
 @pytest.mark.parametrize("base", sorted(BASES))
 def test_an_intact_checkpoint_is_accepted_and_continues_the_same_versions(
         bases: dict[str, Path], tmp_path: Path, base: str) -> None:
@@ -407,6 +409,7 @@ def test_an_intact_checkpoint_is_accepted_and_continues_the_same_versions(
     assert _versions(d) == _versions(ref)
 
 
+@pytest.mark.slow
 @pytest.mark.flower
 def test_fedagg_simulate_resumes_a_fedbuff_run(bases: dict[str, Path], tmp_path: Path) -> None:
     """``fedagg simulate --resume RUN_DIR`` on Flower's simulation engine: exit 0, the records
@@ -482,6 +485,7 @@ def fuzz_bases(bases: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(base=st.sampled_from(sorted(BASES)), pick=st.integers(0, 10**6), raw=_VALUES,
        second=st.one_of(st.none(), st.tuples(st.integers(0, 10**6), _VALUES)))
+@pytest.mark.slow  # runs the asynchronous loop again in a subprocess (or fuzzes it), 10-35 s
 def test_fuzzed_async_fields_never_a_traceback(
         fuzz_bases: dict[str, tuple[Path, list[tuple[Any, ...]]]],
         tmp_path_factory: pytest.TempPathFactory, base: str, pick: int, raw: Any,

@@ -70,6 +70,7 @@ def _resume_until_done(run_dir: Path) -> None:
     assert _run(run_dir, resume=True) == 0
 
 
+@pytest.mark.slow  # SIGKILLs and resumes a real run in a subprocess
 @pytest.mark.parametrize("crash_round", [0, 2])
 def test_kill_mid_checkpoint_write(tmp_path: Path, reference: list[str], crash_round: int) -> None:
     code = _run(tmp_path, env={"FEDAGG_TEST_KILL_IN_CHECKPOINT_ROUND": str(crash_round)})
@@ -84,6 +85,7 @@ def test_kill_mid_checkpoint_write(tmp_path: Path, reference: list[str], crash_r
     assert _digests(tmp_path) == reference
 
 
+@pytest.mark.slow  # SIGKILLs and resumes a real run in a subprocess
 def test_kill_mid_round_then_resume(tmp_path: Path, reference: list[str]) -> None:
     """Killed after the sites replied and the strategy aggregated, before the checkpoint."""
     assert _run(tmp_path, env={"FEDAGG_TEST_KILL_AT": "3:after-train"}) == -signal.SIGKILL
@@ -117,6 +119,7 @@ def _kill_when(run_dir: Path, round_reached: int, extra_delay: float, resume: bo
             proc.wait()
 
 
+@pytest.mark.slow  # SIGKILLs and resumes a real run in a subprocess
 def test_kill_at_random_points_then_resume(tmp_path: Path, reference: list[str]) -> None:
     rng = random.Random(int(os.environ.get("FEDAGG_TEST_SEED", "11")))
     run_dir = tmp_path / "run"

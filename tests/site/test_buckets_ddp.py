@@ -446,6 +446,7 @@ def _gloo_sum(comm: Any) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_gloo_processes_reduce_to_the_sum_and_overlap() -> None:
     for per_rank in run_processes(2, _gloo_sum, timeout=240):
@@ -496,6 +497,7 @@ def _ddp_parity(comm: Any) -> dict[str, tuple[float, float, float, float]]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 @pytest.mark.parametrize("k", [2, 3])
 def test_gradients_equal_torch_ddp_on_gloo(k: int) -> None:

@@ -51,6 +51,7 @@ def _pool(owner: tuple[int, int]):  # type: ignore[no-untyped-def]
     return live_pools()[PoolKey(*owner, task_identity(builtin_task(settings().cfg))[0])]
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_sigkill_one_of_three_workers_mid_round() -> None:
     """The issue's drill: SIGKILL (by PID, from outside) one of 3 worker processes mid-round."""
@@ -103,6 +104,7 @@ def test_sigkill_one_of_three_workers_mid_round() -> None:
     assert time.monotonic() - t0 < 600
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 @pytest.mark.parametrize("kind", ["kill", "hang"])
 def test_injected_fault_in_a_process_worker_is_survived(kind: str) -> None:

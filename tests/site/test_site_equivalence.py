@@ -73,6 +73,7 @@ def test_bf16_wire_is_close_and_workers_agree() -> None:
     assert up.metrics["bytes_allreduced"] == 14 * sum(w.size for w in w0) * 2
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 @pytest.mark.parametrize("k", [2, 3])
 def test_process_mode_equals_single_worker(k: int) -> None:

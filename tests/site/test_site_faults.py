@@ -33,6 +33,7 @@ def job_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_killed_worker_process_fails_the_site_and_next_round_is_clean(job_root: Path) -> None:
     before = child_pids()
@@ -52,6 +53,7 @@ def test_killed_worker_process_fails_the_site_and_next_round_is_clean(job_root: 
     assert child_pids() <= before
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_hung_worker_process_is_detected_within_the_timeout(job_root: Path) -> None:
     before = child_pids()

@@ -168,6 +168,7 @@ def test_a_changed_site_shape_gets_a_new_pool() -> None:
     assert close_pools(owner[0]) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_process_pool_keeps_its_processes_and_equals_one_worker() -> None:
     owner = new_owner()
@@ -188,6 +189,7 @@ def test_process_pool_keeps_its_processes_and_equals_one_worker() -> None:
     assert wait_gone(pids[0]) == [], "worker processes left after close"
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_dead_pool_is_restarted_and_idle_pool_closed() -> None:
     owner = new_owner()
@@ -209,6 +211,7 @@ def test_dead_pool_is_restarted_and_idle_pool_closed() -> None:
     assert not [k for k in live_pools() if k.run_id == owner[0]]
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_pool_killed_as_the_round_starts_is_restarted_within_the_round() -> None:
     """All workers SIGKILLed and the round sent at once (their deaths not yet visible): the
@@ -242,6 +245,7 @@ _CONTROLLER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_killed_controller_leaves_no_workers(tmp_path: Path) -> None:
     here = Path(__file__).resolve().parent

@@ -31,7 +31,7 @@ from fedagg.errors import WorkerError
 from server.runner import client_config
 from strategies.wire import arrays_to_record, record_to_arrays
 
-pytestmark = pytest.mark.gloo
+pytestmark = [pytest.mark.slow, pytest.mark.gloo]
 
 
 def _children(pid: int) -> set[int]:

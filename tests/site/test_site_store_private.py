@@ -168,6 +168,7 @@ def _rendezvous(store: object) -> Any:
     return store
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_another_uid_can_neither_read_nor_write_the_workers_store() -> None:
     owner = new_owner()
