@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from clients.pool import PoolKey, live_pools, pool_for, task_identity
-from clients.site import SiteResult, default_device, site_result, with_site
+from clients.site_round import SiteResult, default_device, site_result, with_site
 from clients.worker import WorkerJob
 from fedagg.config import SiteConfig
 from fedagg.errors import ConfigError, WorkerError, explain

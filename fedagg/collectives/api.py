@@ -18,15 +18,14 @@ import torch
 
 from fedagg.collectives.communicator import Communicator, Request
 from fedagg.collectives.cost import CostModel, choose_algorithm, get_default_cost_model
-from fedagg.collectives.executor import (
+from fedagg.collectives.executor import CollectiveStats, execute
+from fedagg.collectives.plan import (
     DEFAULT_SEGMENT_BYTES,
     RIDE_BYTES,
-    CollectiveStats,
     HeaderExchange,
     Plan,
-    _scratch,
     compile_plan,
-    execute,
+    scratch_buffer,
 )
 from fedagg.collectives.schedule import SCHEDULED_ALGORITHMS, get_schedule
 from fedagg.errors import CollectiveError, ConfigError, explain
@@ -203,7 +202,7 @@ def _exchange_header_messages(
     1 MB, 0.06 worse at N = 2, 16 MB in two interleaved A/B runs.)
 
     Every rank posts its receives with room for the header plus
-    :data:`~fedagg.collectives.executor.RIDE_BYTES`, whatever its own input, so no
+    :data:`~fedagg.collectives.plan.RIDE_BYTES`, whatever its own input, so no
     message can be longer than its receive (gloo aborts the process on that); messages may be
     shorter. Returns the received messages per peer (header first, see :func:`_decode`) and
     the pending sends (request, buffer).
@@ -211,7 +210,7 @@ def _exchange_header_messages(
     n, rank = comm.world_size, comm.rank
     peers = [r for r in range(n) if r != rank]
     cap = _HEADER_BYTES + RIDE_BYTES
-    rbuf = _scratch(len(peers) * cap, torch.uint8, header.device, "header-recv")
+    rbuf = scratch_buffer(len(peers) * cap, torch.uint8, header.device, "header-recv")
     regions = {p: rbuf[i * cap : (i + 1) * cap] for i, p in enumerate(peers)}
     recvs = [comm.irecv(regions[p], p) for p in peers]
     if before_send is not None:
@@ -221,7 +220,7 @@ def _exchange_header_messages(
         + (payloads[p].numel() * payloads[p].element_size() if p in payloads else 0)
         for p in peers
     }
-    sbuf = _scratch(sum(size.values()), torch.uint8, header.device, "header-send")
+    sbuf = scratch_buffer(sum(size.values()), torch.uint8, header.device, "header-send")
     head = header.view(torch.uint8)
     sends: list[tuple[Request, torch.Tensor]] = []
     pos = 0
@@ -263,7 +262,7 @@ def _decode(
 class _HeaderRound:
     """The header round of a scheduled all-reduce, carrying step-0 data (see ``execute``).
 
-    Called by the Python replay as a :data:`~fedagg.collectives.executor.HeaderExchange`. The
+    Called by the Python replay as a :data:`~fedagg.collectives.plan.HeaderExchange`. The
     C++ plan runner (:mod:`fedagg.collectives.plan_runner`) runs the same round itself from
     :attr:`head` and :attr:`cap` and hands a disagreement to :meth:`failed`.
     """

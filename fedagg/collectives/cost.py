@@ -46,7 +46,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from fedagg.collectives.communicator import Communicator, sendrecv
-from fedagg.collectives.executor import DEFAULT_SEGMENT_BYTES, MAX_SEGMENTS
+from fedagg.collectives.plan import DEFAULT_SEGMENT_BYTES, MAX_SEGMENTS
 from fedagg.collectives.schedule import SCHEDULED_ALGORITHMS, get_schedule
 from fedagg.errors import ConfigError, explain
 

@@ -1,4 +1,4 @@
-"""The C++ plan runner: replays a compiled :class:`~fedagg.collectives.executor.Plan` over a
+"""The C++ plan runner: replays a compiled :class:`~fedagg.collectives.plan.Plan` over a
 torch.distributed process group with the GIL released.
 
 The Python replay (:func:`fedagg.collectives.executor._replay`) pays the interpreter on every
@@ -42,7 +42,7 @@ import torch
 
 from fedagg._owned import NotOwned, check_path, fix, private_dir
 from fedagg.collectives.communicator import Communicator
-from fedagg.collectives.executor import HeaderExchange, Plan, _scratch
+from fedagg.collectives.plan import HeaderExchange, Plan, scratch_buffer
 from fedagg.errors import ConfigError, explain
 
 __all__ = ["ENV", "disabled", "load", "mode", "run", "runner_for"]
@@ -296,7 +296,7 @@ def run(
     The messages are those of :func:`fedagg.collectives.executor._replay`; a disagreeing header
     goes to the header round's ``failed`` (drain, then raise) as on the Python path.
     """
-    scratch = _scratch(plan.scratch, wire, work.device)
+    scratch = scratch_buffer(plan.scratch, wire, work.device)
     run_plan = getattr(comm, "run_plan")  # noqa: B009 - checked by runner_for
     if header is None:
         run_plan(runner, work, scratch, None, None, None, 0)
@@ -304,9 +304,9 @@ def run(
     n, rank = comm.world_size, comm.rank
     head: torch.Tensor = getattr(header, "head")  # noqa: B009
     cap: int = getattr(header, "cap")  # noqa: B009
-    rbuf = _scratch((n - 1) * cap, torch.uint8, work.device, "header-recv")
+    rbuf = scratch_buffer((n - 1) * cap, torch.uint8, work.device, "header-recv")
     size = (n - 1) * head.numel() + sum(ln for _, _, ln in plan.ride_out) * wire.itemsize
-    sbuf = _scratch(size, torch.uint8, work.device, "header-send")
+    sbuf = scratch_buffer(size, torch.uint8, work.device, "header-send")
     ok, posted, pending = run_plan(runner, work, scratch, head, rbuf, sbuf, cap)
     if not ok:
         peers = [p for p in range(n) if p != rank]

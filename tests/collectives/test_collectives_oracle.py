@@ -15,7 +15,7 @@ from fedagg.collectives import (
     last_stats,
     run_inprocess,
 )
-from fedagg.collectives.executor import RIDE_BYTES
+from fedagg.collectives.plan import RIDE_BYTES
 
 ALGS = ("ring", "tree", "hierarchical", "native", "auto")
 PRIMES = (2, 3, 7, 13, 101)

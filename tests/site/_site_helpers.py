@@ -10,7 +10,8 @@ import numpy as np
 
 from clients.faults import worker_fault
 from clients.settings import NodeConfig, SiteSettings
-from clients.site import SiteResult, run_site
+from clients.site import run_site
+from clients.site_round import SiteResult
 from clients.worker import WorkerJob
 from fedagg.builtin import builtin_task
 from fedagg.config import RunConfig, validate_model
