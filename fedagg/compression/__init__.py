@@ -37,14 +37,8 @@ from fedagg.compression.payload import (
 )
 from fedagg.compression.quantize import BF16, FP16, Int8
 from fedagg.compression.sketch import CountSketch
-from fedagg.compression.spec import (
-    ParsedSpec,
-    StageContext,
-    StageFactory,
-    build_compressor,
-    parse_spec,
-    registry,
-)
+from fedagg.compression.spec import ParsedSpec, build_compressor, parse_spec, registry
+from fedagg.compression.stage_context import StageContext, StageFactory
 from fedagg.compression.support import (
     SharedSupport,
     block_support,

@@ -47,8 +47,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from fedagg.compression.payload import Payload, TensorPayload, WireDType
+from fedagg.compression.select import k_from_ratio
 from fedagg.compression.sketch import CountSketch, flatten
-from fedagg.compression.topk import k_from_ratio
 from fedagg.errors import ConfigError, explain
 
 __all__ = ["FetchSGDServer", "SketchCompressor", "SketchUpdate", "find_sketch"]

@@ -57,7 +57,7 @@ from typing import Any, Final, cast
 import numpy as np
 from numpy.typing import NDArray
 
-from fedagg.compression.topk import topk_indices
+from fedagg.compression.select import topk_indices
 from fedagg.errors import ConfigError, explain
 
 __all__ = ["CHUNK", "CountSketch", "flatten", "sketch_update"]

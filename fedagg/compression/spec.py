@@ -20,9 +20,7 @@ Plugins register a factory in the entry-point group ``fedagg.compressors``. A fa
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,117 +31,23 @@ from fedagg.compression import stages as _secure_stages
 from fedagg.compression.base import Chain, Compressor, Identity, Quantizer
 from fedagg.compression.error_feedback import ErrorFeedback
 from fedagg.compression.quantize import BF16, FP16, Int8
+from fedagg.compression.select import k_from_ratio
+from fedagg.compression.stage_context import FIXES, StageContext, StageFactory
 from fedagg.compression.support import (
     SharedSupport,
     block_support,
     random_support,
     topk_of_aggregate,
 )
-from fedagg.compression.topk import RandomK, TopK, k_from_ratio
+from fedagg.compression.topk import RandomK, TopK
 from fedagg.errors import ConfigError, RegistryError, did_you_mean, explain
 
-__all__ = ["ParsedSpec", "StageContext", "StageFactory", "build_compressor", "parse_spec", "registry"]
+__all__ = ["ParsedSpec", "build_compressor", "parse_spec", "registry"]
 
-
-@dataclass(frozen=True)
-class StageContext:
-    """What a stage factory gets: its arguments plus the public round context.
-
-    Attributes
-    ----------
-    spec : str
-        The whole spec (for messages).
-    part : str
-        This stage's text, e.g. ``"topk:0.01,global"``.
-    name : str
-        The normalized stage name.
-    args : tuple of str
-        Positional arguments.
-    kwargs : dict of str to str
-        ``key=value`` arguments.
-    seed : bytes or None
-        Public seed of the federation (shared supports, seeded random-k).
-    round : int or None
-        Current round.
-    previous_aggregate : ndarray or None
-        Previous round's public aggregate, flattened (``aggtopk``).
-    """
-
-    spec: str
-    part: str
-    name: str
-    args: tuple[str, ...] = ()
-    kwargs: dict[str, str] = field(default_factory=dict)
-    seed: bytes | None = None
-    round: int | None = None
-    previous_aggregate: NDArray[Any] | None = None
-
-    def error(self, rule: str, fix: str) -> ConfigError:
-        """A :class:`~fedagg.errors.ConfigError` naming the spec, this part, rule and fix."""
-        return ConfigError(explain(f"compression spec {self.spec!r}, part", self.part, rule, fix))
-
-    def fix(self) -> str:
-        """A usage hint for this stage (built-in stages show examples)."""
-        return _FIXES.get(self.name, f"see the documentation of the {self.name!r} stage")
-
-    def expect(self, positional: int, keys: set[str]) -> None:
-        """Reject more than ``positional`` positional args or keys outside ``keys``."""
-        if len(self.args) > positional:
-            raise self.error(f"takes at most {positional} positional argument(s)", self.fix())
-        bad = sorted(set(self.kwargs) - keys)
-        if bad:
-            raise self.error(f"unknown option(s) {bad}; known: {sorted(keys)}", self.fix())
-
-    def number(self, text: str, what: str) -> float:
-        """Parse a finite float."""
-        try:
-            x = float(text)
-        except ValueError:
-            raise self.error(f"{what} {text!r} is not a number", self.fix()) from None
-        if not math.isfinite(x):
-            raise self.error(f"{what} must be finite", self.fix())
-        return x
-
-    def ratio(self, text: str) -> float:
-        """Parse a ratio in [0, 1]."""
-        x = self.number(text, "ratio")
-        if not 0.0 <= x <= 1.0:
-            raise self.error(f"ratio {text} must be in [0, 1]", self.fix())
-        return x
-
-    def count(self, text: str, what: str = "k") -> int:
-        """Parse a non-negative integer."""
-        if not text.isdigit():
-            raise self.error(f"{what} {text!r} must be a non-negative integer", self.fix())
-        return int(text)
-
-    def public(self) -> tuple[bytes, int]:
-        """The public ``(seed, round)``, or a ConfigError when the caller did not pass them."""
-        if self.seed is None or self.round is None:
-            raise self.error(
-                "needs the public seed and round",
-                "call build_compressor(spec, seed=<public bytes>, round=<round number>)",
-            )
-        return self.seed, self.round
-
-
-StageFactory = Callable[[StageContext], Any]
-"""A stage factory: ``StageContext -> Compressor | Quantizer``."""
 
 registry: Registry[StageFactory] = Registry("compressor", group="fedagg.compressors")
 """Stage names -> factories. Plugins: entry-point group ``fedagg.compressors``."""
 
-_FIXES: dict[str, str] = {
-    "none": "write 'none' alone",
-    "topk": "e.g. 'topk:0.01', 'topk:k=1000', 'topk:0.01,global'",
-    "randk": "e.g. 'randk:0.01' (private indices) or 'randk:0.01,shared'",
-    "shared": "e.g. 'shared:0.01'",
-    "block": "e.g. 'block:0.01'",
-    "aggtopk": "e.g. 'aggtopk:0.01' or 'aggtopk:0.01,random=0.2'",
-    "fp16": "write 'fp16' without arguments",
-    "bf16": "write 'bf16' without arguments",
-    "int8": "e.g. 'int8', 'int8:256', 'int8:chunk=128,nearest'",
-}
 
 
 def _words(ctx: StageContext, allowed: tuple[str, ...], what: str) -> tuple[list[str], str | None]:
@@ -261,9 +165,9 @@ def _int8(ctx: StageContext) -> Int8:
     chunk = ctx.count(ctx.kwargs["chunk"], "chunk") if "chunk" in ctx.kwargs else chunk
     rounding = ctx.kwargs.get("rounding", rounding)
     if rounding not in ("stochastic", "nearest"):
-        raise ctx.error(f"rounding {rounding!r} must be 'stochastic' or 'nearest'", _FIXES["int8"])
+        raise ctx.error(f"rounding {rounding!r} must be 'stochastic' or 'nearest'", FIXES["int8"])
     if not 1 <= chunk <= 2**31 - 1:
-        raise ctx.error(f"chunk {chunk} must be in [1, 2**31 - 1]", _FIXES["int8"])
+        raise ctx.error(f"chunk {chunk} must be in [1, 2**31 - 1]", FIXES["int8"])
     return Int8(chunk, stochastic=rounding == "stochastic")
 
 
@@ -283,7 +187,7 @@ for _name, _factory in (
 # Secure sparse modes of issue 21 (sketch, vote, shared-dgc): fedagg/compression/stages.py.
 for _stage_name, _stage_factory in _secure_stages.STAGES:
     registry.register(_stage_name, _stage_factory)
-_FIXES.update(_secure_stages.FIXES)
+FIXES.update(_secure_stages.FIXES)
 
 
 def _split_part(spec: str, part: str) -> tuple[str, tuple[str, ...], dict[str, str]]:

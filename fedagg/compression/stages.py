@@ -24,24 +24,22 @@ feedback, so both refuse ``ef``; ``vote`` is a shared support and wants ``+ef``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 from fedagg.compression.dgc import DGCFeedback
 from fedagg.compression.fetchsgd import SketchCompressor
+from fedagg.compression.select import k_from_ratio
+from fedagg.compression.stage_context import StageContext
 from fedagg.compression.support import (
     SharedSupport,
     block_support,
     random_support,
     topk_of_aggregate,
 )
-from fedagg.compression.topk import k_from_ratio
 from fedagg.compression.vote import VoteSupport
-
-if TYPE_CHECKING:
-    from fedagg.compression.spec import StageContext
 
 __all__ = ["FIXES", "STAGES"]
 

@@ -49,6 +49,7 @@ from fedagg.compression.payload import (
     dense_float32,
     split_flat_support,
 )
+from fedagg.compression.select import topk_indices
 from fedagg.errors import ConfigError, explain
 
 __all__ = [
@@ -230,8 +231,6 @@ def topk_of_aggregate(
     ConfigError
         On bad arguments or a non-finite aggregate.
     """
-    from fedagg.compression.topk import topk_indices
-
     if isinstance(previous_aggregate, np.ndarray):
         agg = np.asarray(previous_aggregate, dtype=np.float64).ravel()
     else:

@@ -19,7 +19,6 @@ References
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -33,53 +32,13 @@ from fedagg.compression.payload import (
     dense_float32,
     split_flat_support,
 )
+from fedagg.compression.select import k_from_ratio, topk_indices
+from fedagg.compression.support import random_support
 from fedagg.errors import ConfigError, explain
 
-__all__ = ["RandomK", "TopK", "k_from_ratio", "topk_indices"]
+__all__ = ["RandomK", "TopK"]
 
 Scope = Literal["tensor", "global"]
-
-
-def k_from_ratio(ratio: float, n: int) -> int:
-    """Number of entries kept for ``ratio`` of ``n``: ``ceil(ratio * n)`` clipped to [0, n].
-
-    A tiny tolerance keeps ``0.3 * 10`` at 3 despite floating-point error.
-    """
-    return max(0, min(n, math.ceil(ratio * n - 1e-9)))
-
-
-def topk_indices(values: NDArray[Any], k: int) -> NDArray[np.int64]:
-    """Exact indices of the ``k`` largest ``|values|``, sorted ascending.
-
-    Ties at the threshold are broken towards the lowest index, so the result is a pure
-    function of the input (no dependence on the selection algorithm). Runs in O(n) via
-    :func:`numpy.partition`. NaN counts as larger than any number.
-
-    Parameters
-    ----------
-    values : ndarray
-        1-D values.
-    k : int
-        How many to keep, ``0 <= k <= len(values)``.
-
-    Returns
-    -------
-    ndarray of int64
-    """
-    n = int(values.shape[0])
-    if k <= 0:
-        return np.empty(0, dtype=np.int64)
-    if k >= n:
-        return np.arange(n, dtype=np.int64)
-    mag = np.abs(values)
-    thr = np.partition(mag, n - k)[n - k]
-    if np.isnan(thr):
-        above = np.flatnonzero(np.isnan(mag))
-        return np.sort(above[:k]).astype(np.int64)
-    greater = np.flatnonzero((mag > thr) | np.isnan(mag))
-    need = k - greater.shape[0]
-    ties = np.flatnonzero(mag == thr)[:need]
-    return np.sort(np.concatenate([greater, ties])).astype(np.int64)
 
 
 def _check_ratio_k(cls: str, ratio: float | None, k: int | None) -> None:
@@ -223,8 +182,6 @@ class RandomK:
     def _indices(self, i: int, n: int, k: int, rng: np.random.Generator) -> NDArray[np.int64]:
         if self.seed is None:
             return np.sort(rng.choice(n, size=k, replace=False)).astype(np.int64)
-        from fedagg.compression.support import random_support
-
         sub = hashlib.sha256(b"fedagg/randk/tensor\x00" + i.to_bytes(8, "big") + self.seed)
         return random_support(n, k, round=self.round, seed=sub.digest())
 

@@ -67,9 +67,9 @@ from fedagg.compression.ring import (
     ring_nbytes,
     unpack_counters,
 )
+from fedagg.compression.select import k_from_ratio
 from fedagg.compression.sketch import flatten
 from fedagg.compression.support import SharedSupport, random_support
-from fedagg.compression.topk import k_from_ratio
 from fedagg.compression.vote_tables import BlockVote, VoteMode, VoteSketch
 from fedagg.errors import ConfigError, explain
 

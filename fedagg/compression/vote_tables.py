@@ -33,9 +33,9 @@ import numpy as np
 from numpy.typing import NDArray
 
 from fedagg.compression.ring import to_ring
+from fedagg.compression.select import topk_indices
 from fedagg.compression.sketch import CHUNK, CountSketch, flatten
 from fedagg.compression.support import random_support
-from fedagg.compression.topk import topk_indices
 from fedagg.errors import CodecError, ConfigError, explain
 
 __all__ = ["BlockVote", "VoteMode", "VoteSketch"]

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from fedagg.compression import RandomK, TopK, reveals_indices
-from fedagg.compression.topk import k_from_ratio, topk_indices
+from fedagg.compression.select import k_from_ratio, topk_indices
 from fedagg.errors import ConfigError
 
 
