@@ -110,6 +110,9 @@ class Accumulator:
         The tensors (shape, dtype of the mean, grid exponent); see :meth:`for_model`.
     block : int
         Elements per step of a fold (temporaries: two blocks of 8 bytes).
+    native : bool
+        Fold with the native kernel when it is built and passed its self-check (default);
+        ``False``: the NumPy path only (same results).
 
     Notes
     -----
@@ -118,7 +121,8 @@ class Accumulator:
     its error bound and why it was chosen.
     """
 
-    def __init__(self, specs: Sequence[TensorSpec], *, block: int = BLOCK) -> None:
+    def __init__(self, specs: Sequence[TensorSpec], *, block: int = BLOCK,
+                 native: bool = True) -> None:
         if isinstance(block, bool) or not isinstance(block, int) or block < 1:
             raise ConfigError(explain("block", block, "must be an int >= 1",
                                       "use the default BLOCK"))
@@ -143,7 +147,7 @@ class Accumulator:
         self._count = 0
         self._fbuf = np.empty(0, np.float64)
         self._ibuf = np.empty(0, np.int64)
-        self._native_off = False  # True: the NumPy path only (tests, the kernel's self-check)
+        self._native_off = not native  # the NumPy path only (tests, the kernel's self-check)
 
     @classmethod
     def for_model(cls, reference: Sequence[npt.NDArray[Any]], *,
@@ -619,3 +623,27 @@ class Accumulator:
                                       f"is not a valid state ({exc})",
                                       "restore an intact state_dict")) from None
         return acc
+
+
+def _kernel_agrees() -> str:
+    """'' if the native kernel folds a tricky update exactly like the NumPy path, else the
+    reason (registered with :func:`fedagg.accumulate.native.require`)."""
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=5000) * 3).astype(np.float32)
+    x[:8] = [0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 0.0, -0.0]  # ties to even
+    x[8:12] = np.float32(2.0 ** 60)  # the careful pass
+    spec = [TensorSpec((x.size,), "float32", 0)]
+    out = []
+    for kernel in (True, False):
+        acc = Accumulator(spec, block=1000, native=kernel)
+        for w in (1.0, 3.0, -1.0, 7.0):
+            acc.fold([x], w)
+        out.append(acc._lo[0].copy())
+        out.append(acc.mean()[0])  # with the high limb in use (2**60 x 7)
+    if not all(np.array_equal(a, b) for a, b in zip(out[:2], out[2:], strict=True)) \
+            or out[1].dtype != out[3].dtype:
+        return "its integers or its mean differ from the NumPy path"
+    return ""
+
+
+native.require(_kernel_agrees)

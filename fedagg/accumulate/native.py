@@ -39,6 +39,7 @@ import subprocess
 import sysconfig
 import tempfile
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -49,8 +50,18 @@ import numpy.typing as npt
 from fedagg._owned import NotOwned, fd_path, fix, open_file, private_dir
 from fedagg.accumulate._fold_c import SOURCE
 
-__all__ = ["ENV", "PARALLEL_MIN", "THREADS_ENV", "available", "fold_f32", "fold_f32_parallel",
-           "mean_into", "sumsq_f32", "threads"]
+__all__ = [
+    "ENV",
+    "PARALLEL_MIN",
+    "THREADS_ENV",
+    "available",
+    "fold_f32",
+    "fold_f32_parallel",
+    "mean_into",
+    "require",
+    "sumsq_f32",
+    "threads",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -68,8 +79,9 @@ _CLONES = ["-DFEDAGG_CLONES"]
 """Tried first on x86-64: the vector loop compiled for AVX-512, AVX2 and baseline x86-64,
 picked at load time (needs GCC and ifunc support; without them the build is retried
 without it: one portable loop)."""
-_lock = threading.RLock()  # the self-check folds through this module
+_lock = threading.RLock()  # the checks fold through this module
 _state: dict[str, Any] = {}
+_checks: list[Callable[[], str]] = []
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -193,30 +205,6 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     return None, why
 
 
-def _self_check() -> str:
-    """'' if the kernel folds a tricky update exactly like the NumPy path, else the reason."""
-    from fedagg.accumulate.exact import Accumulator
-    from fedagg.accumulate.grid import TensorSpec
-
-    rng = np.random.default_rng(0)
-    x = (rng.normal(size=5000) * 3).astype(np.float32)
-    x[:8] = [0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 0.0, -0.0]  # ties to even
-    x[8:12] = np.float32(2.0 ** 60)  # the careful pass
-    spec = [TensorSpec((x.size,), "float32", 0)]
-    out = []
-    for native in (True, False):
-        acc = Accumulator(spec, block=1000)
-        acc._native_off = not native
-        for w in (1.0, 3.0, -1.0, 7.0):
-            acc.fold([x], w)
-        out.append(acc._lo[0].copy())
-        out.append(acc.mean()[0])  # with the high limb in use (2**60 x 7)
-    if not all(np.array_equal(a, b) for a, b in zip(out[:2], out[2:], strict=True)) \
-            or out[1].dtype != out[3].dtype:
-        return "its integers or its mean differ from the NumPy path"
-    return ""
-
-
 def _library() -> ctypes.CDLL | None:
     if _disabled():
         return None
@@ -224,7 +212,8 @@ def _library() -> ctypes.CDLL | None:
         if "lib" not in _state:
             _state["lib"], why = _build()
             if _state["lib"] is not None:
-                why = _self_check()  # re-enters _library (RLock): the kernel is already set
+                # the checks fold through this module: they re-enter _library (RLock)
+                why = next((w for w in (check() for check in _checks) if w), "")
                 if why:
                     _state["lib"] = None
             if _state["lib"] is None:
@@ -232,6 +221,16 @@ def _library() -> ctypes.CDLL | None:
                           "path (same results, slower). Set %s=0 to skip the build.", why, ENV)
     lib: ctypes.CDLL | None = _state["lib"]
     return lib
+
+
+def require(check: Callable[[], str]) -> None:
+    """Run ``check`` once the kernel is built, before any fold uses it: ``''`` if the kernel
+    may be used, else the reason it is not (the folds then take the NumPy path).
+
+    The exact accumulator (:mod:`fedagg.accumulate.exact`) registers its self-check here: a
+    tricky update folded with and without the kernel must give the same integers and mean.
+    """
+    _checks.append(check)
 
 
 def available() -> bool:

@@ -1,6 +1,6 @@
 """The native fold kernel (fedagg/accumulate/_fold_c.py) against the NumPy path: same integers.
 
-Oracle: the same accumulator folded with the kernel switched off (``_native_off``), which is
+Oracle: the same accumulator folded with the kernel switched off (``native=False``), which is
 the reference NumPy implementation of the grid scheme; and for the delta norm,
 :func:`fedagg.accumulate.delta_norm`. The kernel is built by these tests if it is not yet (CI
 builds it ahead with ``python -m fedagg.accumulate.native``); a machine without a C compiler
@@ -26,8 +26,7 @@ from fedagg.errors import UpdateRejected
 
 
 def _pair(specs: list[TensorSpec], block: int = 64) -> tuple[Accumulator, Accumulator]:
-    fast, ref = Accumulator(specs, block=block), Accumulator(specs, block=block)
-    ref._native_off = True
+    fast, ref = Accumulator(specs, block=block), Accumulator(specs, block=block, native=False)
     return fast, ref
 
 
@@ -55,6 +54,31 @@ def test_disabled_by_env(tmp_path) -> None:  # type: ignore[no-untyped-def]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, native.ENV: "0"}, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_kernel_that_fails_a_check_is_never_used() -> None:
+    """The accumulator's self-check gates the kernel: a failing check (here one registered
+    beside it) leaves every fold on the NumPy path, with the same results."""
+    code = ("import logging; logging.basicConfig(level=logging.INFO); "
+            "import numpy as np; from fedagg.accumulate import Accumulator, TensorSpec, native; "
+            "native.require(lambda: 'forced to disagree'); "
+            "x = np.arange(3000, dtype=np.float32) / 7; "
+            "s = [TensorSpec((x.size,), 'float32', -20)]; "
+            "a, b = Accumulator(s, block=256), Accumulator(s, block=256, native=False); "
+            "[acc.fold([x], 2.0) for acc in (a, b)]; "
+            "print(native.available(), bool(np.array_equal(a.mean()[0], b.mean()[0])), "
+            "float(np.abs(a.mean()[0] - x).max()) < 1e-5)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.split() == ["False", "True", "True"], out.stderr
+    assert "forced to disagree" in out.stderr  # the reason is logged
+
+
+def test_the_registered_self_check_passes_for_the_built_kernel() -> None:
+    from fedagg.accumulate.exact import _kernel_agrees
+
+    assert native.available()
+    assert _kernel_agrees() == ""
 
 
 @settings(max_examples=60, deadline=None)

@@ -89,8 +89,7 @@ ok = native.available()
 x = np.random.default_rng(0).normal(size=4097).astype(np.float32)
 out = []
 for off in (False, True):
-    acc = Accumulator([TensorSpec((x.size,), "float32", 0)], block=256)
-    acc._native_off = off
+    acc = Accumulator([TensorSpec((x.size,), "float32", 0)], block=256, native=not off)
     for w in (1.0, 3.0, 0.5):
         acc.fold([x], w)
     out.append(acc.mean()[0])
