@@ -28,17 +28,19 @@ def test_flwr_run_local_simulation(tmp_path: Path) -> None:
     home.mkdir()
     (home / "config.toml").write_text(
         '[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = ":local:"\n'
-        "options.num-supernodes = 3\n"
-    )
+    )  # as docs/quickstart.md writes it: the federation's size is given to flwr run
     out_dir = tmp_path / "runs"
     env = {**os.environ, "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
     try:
         proc = subprocess.run(
-            ["flwr", "run", ".", "local", "--stream", "--run-config",
-             f'run.rounds=2 run.sites=3 run.output_dir="{out_dir}"'],
+            ["flwr", "run", ".", "local", "--stream", "--federation-config", "num-supernodes=3",
+             "--run-config", f'run.rounds=2 run.sites=3 run.output_dir="{out_dir}"'],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=420,
         )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        deprecated = [ln for ln in (proc.stdout + proc.stderr).splitlines()
+                      if "deprecat" in ln.lower()]
+        assert not deprecated, deprecated  # e.g. `options.` fields of the connection
         deadline = time.time() + 120
         files: list[Path] = []
         while time.time() < deadline:
