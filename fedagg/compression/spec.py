@@ -184,7 +184,7 @@ for _name, _factory in (
 ):
     registry.register(_name, _factory)
 
-# Secure sparse modes of issue 21 (sketch, vote, shared-dgc): fedagg/compression/stages.py.
+# The secure sparse modes (sketch, vote, shared-dgc): fedagg/compression/stages.py.
 for _stage_name, _stage_factory in _secure_stages.STAGES:
     registry.register(_stage_name, _stage_factory)
 FIXES.update(_secure_stages.FIXES)

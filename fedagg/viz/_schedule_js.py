@@ -247,8 +247,8 @@ SCHEDULE_JS = r"""
   const mnote = document.getElementById("measured-note");
   if (D.measured.rows.length) {
     mnote.textContent = "Measured: median of one all-reduce at N = " + D.workers + ", " +
-      fmtBytes(D.measured.bytes) + " (nearest measured size), from docs/benchmarks.md, section \u201c" +
-      D.measured.section + "\u201d" + ("native" in measured ? "; native gloo: " + measured.native.toFixed(2) + " ms." : ".");
+      fmtBytes(D.measured.bytes) + " (nearest measured size), from docs/benchmarks.md" +
+      (D.measured.section ? ", section \u201c" + D.measured.section + "\u201d" : "") + ("native" in measured ? "; native gloo: " + measured.native.toFixed(2) + " ms." : ".");
   } else {
     mnote.textContent = "No measured figure at N = " + D.workers + " in docs/benchmarks.md (predictions only).";
   }

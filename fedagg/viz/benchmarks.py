@@ -24,6 +24,8 @@ _UNITS = {"b": 1, "kb": 1 << 10, "kib": 1 << 10, "mb": 1 << 20, "mib": 1 << 20,
           "gb": 1 << 30, "gib": 1 << 30}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]?i?b)\s*$", re.IGNORECASE)
 _NEEDED = ("n", "size", "algorithm", "median ms")
+_DIARY = re.compile(r"\bsessions?\s+\d|\bissues?[\s#-]*\d|\b\d{4}-\d{2}-\d{2}\b", re.IGNORECASE)
+"""A heading that names a work session, an issue or a date: not cited on a user's page."""
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,9 @@ class Measurement:
     median_ms : float
         Median time of one all-reduce, in milliseconds.
     section : str
-        The heading the table sits under (which session / machine measured it).
+        The heading the table sits under (what was measured, on which machine); ``""`` when
+        the heading names a work session, an issue or a date (a page for users cites the
+        figure, not the diary it came from).
     """
 
     world_size: int
@@ -85,6 +89,7 @@ def parse_benchmarks(text: str) -> list[Measurement]:
         stripped = line.strip()
         if stripped.startswith("#"):
             section = stripped.lstrip("#").strip()
+            section = "" if _DIARY.search(section) else section  # cite what holds, not when
             header = None
             continue
         if not stripped.startswith("|"):

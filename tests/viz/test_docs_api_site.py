@@ -53,3 +53,15 @@ def test_roles_became_links_into_the_api(site: Path) -> None:
     links = sum(len(re.findall(r'class="autorefs autorefs-internal"', p.read_text()))
                 for p in (site / "api").rglob("*.html"))
     assert links >= 300, links
+
+
+@pytest.mark.slow
+def test_built_pages_speak_to_users(site: Path) -> None:
+    """The built site (API pages from the docstrings included): no session diaries, issue
+    numbers or dated headings (the patterns of tests/framework/test_docs_speak_to_users.py)."""
+    sys.path.insert(0, str(ROOT / "tests" / "framework"))
+    from test_docs_speak_to_users import findings
+
+    found = [f for page in sorted(site.rglob("*.html"))
+             for f in findings(str(page.relative_to(site)), page.read_text())]
+    assert not found, found

@@ -110,10 +110,13 @@ def test_measured_figures_from_benchmarks_page(tmp_path) -> None:  # type: ignor
     bench.write_text(BENCH)
     data = view_data("ring", 4, 900_000, benchmarks=bench)  # nearest measured size: 1 MiB
     assert data["measured"]["bytes"] == 1 << 20
-    assert data["measured"]["section"] == "Session 9 (newest)"
+    assert data["measured"]["section"] == ""  # a heading naming a work session is not cited
     assert {r["algorithm"]: r["median_ms"] for r in data["measured"]["rows"]} == {
         "ring": 5.71, "tree": 4.50, "native": 6.57}  # the newest session wins
     assert view_data("ring", 3, 1 << 20, benchmarks=bench)["measured"]["rows"] == []
+    bench.write_text(BENCH.replace("Session 9 (newest)", "Ring vs tree (2 vCPUs)"))
+    assert view_data("ring", 4, 1 << 20, benchmarks=bench)["measured"]["section"] == \
+        "Ring vs tree (2 vCPUs)"
     assert view_data("ring", 4, 1 << 20, benchmarks=tmp_path / "missing.md")["measured"]["rows"] == []
 
 
