@@ -6,8 +6,9 @@ network reference, so it opens offline and in a sandboxed docs iframe.
 * ``render_schedule_page`` / ``write_schedule_page`` (``fedagg.viz.schedule_page``):
   ``fedagg viz schedule``, the real all-reduce schedules of ``fedagg.collectives.schedule``
   animated step by step, with the cost model's predictions and measured figures;
-* ``render_report`` / ``write_report`` / ``report_data`` (``fedagg.viz.run_report``):
-  ``fedagg report RUN_DIR``, the per-run report from ``metrics.json``;
+* ``render_report`` / ``write_report`` / ``report_data`` / ``write_run_report``
+  (``fedagg.viz.run_report``): ``fedagg report RUN_DIR``, the per-run report from
+  ``metrics.json``, naming the run's own model, data and metrics;
 * ``RoundProgress``, ``filter_known_warnings`` (``fedagg.viz.console``): what
   ``fedagg simulate`` shows while it runs, and how it stops on Ctrl-C.
 """
@@ -25,6 +26,7 @@ __all__ = [
     "render_schedule_page",
     "report_data",
     "write_report",
+    "write_run_report",
     "write_schedule_page",
 ]
 
@@ -33,6 +35,7 @@ _WHERE = {
     "render_report": "run_report",
     "report_data": "run_report",
     "write_report": "run_report",
+    "write_run_report": "run_report",
     "render_schedule_page": "schedule_page",
     "write_schedule_page": "schedule_page",
     "RoundProgress": "console",

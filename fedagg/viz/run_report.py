@@ -40,9 +40,10 @@ FedBuff (buffer size, concurrency) or deadline rounds; for the asynchronous mode
 versions and the staleness of the applied updates (``version``, ``updates``,
 ``staleness_mean``, ``staleness_max``) per record. Time: the engine's start-up
 (``seconds_startup`` of round 0) is shown on its own, never in the per-round chart; the wall
-time is the asynchronous records' ``wall_seconds`` summed, or for synchronous runs the time
-from ``config.json`` (written at the start) to the last ``metrics.json`` write (the file
-times), or when those are not usable (a copied directory), the recorded times summed.
+time is the records' ``elapsed`` (wall seconds since the run started) where they carry it,
+else the asynchronous records' ``wall_seconds`` summed, or for synchronous runs the time from
+``config.json`` (written at the start) to the last ``metrics.json`` write (the file times),
+or when those are not usable (a copied directory), the recorded times summed.
 
 The values plotted are embedded as JSON (``#fedagg-data``); the page's script draws them and
 tags every plotted point with its value (``data-value``), so a test can compare both with
@@ -143,7 +144,7 @@ def count_parameters(run_dir: str | Path) -> int | None:
 
 
 _NUMBER_KEYS = ("accuracy", "loss", "train_loss", "seconds", "wall_seconds", "time",
-                "staleness_mean")
+                "staleness_mean", "elapsed")
 _COUNT_KEYS = ("bytes_up", "bytes_down", "sites_sampled", "sites_replied", "sites_failed",
                "version", "updates", "staleness_max", "in_flight")
 _TEXT_MAX = 200
@@ -640,6 +641,10 @@ def _times(d: Path, records: list[dict[str, Any]]) -> dict[str, Any]:
         if last is not None and abs(last - out["wall"]) > 1.0 and not (
                 0.5 * out["wall"] <= last <= 2.0 * out["wall"]):
             out["simulated"] = last  # a virtual clock (simulated site speeds)
+        return out
+    elapsed = [v for r in records for v in [_number(r.get("elapsed"))] if v is not None]
+    if elapsed:  # each record's wall seconds since the run started, when the server writes it
+        out["wall"], out["wall_how"] = max(elapsed), "the last record's elapsed"
         return out
     recorded = rounds + (startup or 0.0)
     try:

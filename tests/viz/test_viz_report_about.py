@@ -105,6 +105,12 @@ def test_startup_apart_and_wall_time_from_the_files(tmp_path: Path) -> None:
     os.utime(tmp_path / "metrics.json", (start, start))
     t = report_data(tmp_path)["about"]["time"]
     assert t["wall"] == pytest.approx(13.7 + t["rounds_total"]) and "summed" in t["wall_how"]
+    # a record that says how long the run has taken wins
+    for i, r in enumerate(records):
+        r["elapsed"] = 14.0 + 2.5 * i
+    (tmp_path / "metrics.json").write_text(json.dumps(records))
+    t = report_data(tmp_path)["about"]["time"]
+    assert t["wall"] == pytest.approx(14.0 + 7.5) and "elapsed" in t["wall_how"]
 
 
 def test_asynchronous_records_give_mode_versions_and_staleness(tmp_path: Path) -> None:
