@@ -24,8 +24,9 @@ Against a server that lies (docs/protocols/secagg.md, section 4), a site also
 * answers an unmask request even when some relayed ciphertexts do not decrypt: it leaves out
   only those senders' shares.
 
-These checks are in :mod:`fedagg.secagg.client_checks`, the saved state
-(:meth:`ClientState.state_dict`) in :mod:`fedagg.secagg.client_record`.
+These checks are in :mod:`fedagg.secagg.client_checks`; what the site remembers between
+messages, and its saved form (:meth:`ClientState.state_dict`), is a
+:class:`~fedagg.secagg.client_memory.SiteMemory`.
 
 Protocol: Bonawitz et al., CCS 2017 (double masking, section 4) on the neighbour graph of
 Bell et al., CCS 2020 (SecAgg+).
@@ -42,8 +43,8 @@ from numpy.typing import NDArray
 
 from fedagg.errors import AbortRound, ConfigError, ProtocolError, VerificationError, explain
 from fedagg.secagg import fixed_point, packing, shamir
-from fedagg.secagg.client_checks import check_round, check_share_keys, check_unmask
-from fedagg.secagg.client_record import dump_state, load_state
+from fedagg.secagg.client_checks import SiteFloor, check_round, check_share_keys, check_unmask
+from fedagg.secagg.client_memory import SiteMemory
 from fedagg.secagg.keys import (
     RandomBytes,
     SecretKey,
@@ -72,8 +73,6 @@ from fedagg.secagg.params import (
     DEFAULT_MIN_NEIGHBOURS,
     DEFAULT_THRESHOLD_FLOOR,
     SecAggParams,
-    check_site_floor,
-    validate_site_floor,
 )
 from fedagg.secagg.stages import ClientStage
 from fedagg.secagg.threads import resolve_threads
@@ -133,61 +132,33 @@ class ClientState:
             raise ProtocolError(
                 explain("site", site, "must be in [0, 2^31 - 2)", "map node ids to small indices")
             )
-        validate_site_floor(threshold_floor, min_neighbours)
         self.site = int(site)
+        self.floor = SiteFloor(self.site, threshold_floor, min_neighbours)
         self.params = params
-        self.threshold_floor = float(threshold_floor)
-        self.min_neighbours = int(min_neighbours)
         self._random_bytes = random_bytes
         self.threads = resolve_threads(threads)
-        self.run_id = b""
-        self._gen_floor: dict[int, tuple[int, int]] = {}
-        self._reset(b"", 0)
-
-    def _reset(self, run_id: bytes, epoch: int) -> None:
-        if run_id != self.run_id:
-            # neighbour -> (epoch, generation) of its newest mask key seen used in a round;
-            # kept across epochs of one run (sites keep their index for the run)
-            self._gen_floor = {}
-        self.stage = ClientStage.NEW
-        self.run_id = run_id
-        self.epoch = epoch
-        self.round = 0
-        self.gen = 0
-        self._c: SecretKey | None = None
-        self._s: SecretKey | None = None
-        self.roster: tuple[int, ...] = ()
-        self.neighbours: tuple[int, ...] = ()
-        self._neighbour_c: dict[int, bytes] = {}
-        self._round_gens: dict[int, int] = {}
-        self._revealed_b: set[int] = set()
-        self._revealed_s: set[int] = set()
-        self._revealed_keys: set[tuple[int, int]] = set()
+        self.memory = SiteMemory(self.site)
+        """What the site remembers of the protocol (its keys among it: never sent)."""
         self.last_drop_proof = b""
         """:func:`~fedagg.secagg.keys.drop_proof` of the mask key of this site's last upload
         (what the server can show only if it declared that upload dropped); not saved."""
 
     def __repr__(self) -> str:
         return (
-            f"ClientState(site={self.site}, stage={self.stage.name}, epoch={self.epoch}, "
-            f"round={self.round}, gen={self.gen})"
+            f"ClientState(site={self.site}, stage={self.memory.stage.name}, epoch={self.memory.epoch}, "
+            f"round={self.memory.round}, gen={self.memory.gen})"
         )
 
     # -- helpers -------------------------------------------------------------------------
     def _require(self, stages: tuple[ClientStage, ...], epoch: int, what: str) -> None:
-        if self.stage not in stages:
+        if self.memory.stage not in stages:
             raise ProtocolError(
-                explain(what, self.stage.name, f"not allowed in this stage ({what})", "restart")
+                explain(what, self.memory.stage.name, f"not allowed in this stage ({what})", "restart")
             )
-        if epoch != self.epoch:
+        if epoch != self.memory.epoch:
             raise ProtocolError(
-                explain("epoch", epoch, f"this site is in epoch {self.epoch}", "re-key first")
+                explain("epoch", epoch, f"this site is in epoch {self.memory.epoch}", "re-key first")
             )
-
-    def _secret(self, key: SecretKey | None) -> SecretKey:
-        if key is None:  # unreachable when the stage checks pass
-            raise ProtocolError("no key material in this stage")
-        return key
 
     def _encrypt_shares(
         self, secret: bytes, recipients: tuple[int, ...], kind: ShareKind, counter: int
@@ -195,14 +166,14 @@ class ClientState:
         shares = shamir.split(
             secret, [j + 1 for j in recipients], self.params.threshold, self._random_bytes
         )
-        c = self._secret(self._c)
+        c = self.memory.key("c")
         return b"".join(
             encrypt_share(
                 c,
-                self._neighbour_c[j],
+                self.memory.neighbour_c[j],
                 share.to_bytes(),
-                run_id=self.run_id,
-                epoch=self.epoch,
+                run_id=self.memory.run_id,
+                epoch=self.memory.epoch,
                 kind=kind,
                 counter=counter,
                 src=self.site,
@@ -212,25 +183,13 @@ class ClientState:
             for j, share in zip(recipients, shares, strict=True)
         )
 
-    def _check_floor(self, num_sites: int) -> int:
-        """``k`` for ``num_sites``; ProtocolError when the server's parameters are too weak."""
-        try:
-            return check_site_floor(
-                self.params,
-                num_sites,
-                threshold_floor=self.threshold_floor,
-                min_neighbours=self.min_neighbours,
-            )
-        except ConfigError as err:
-            raise ProtocolError(f"refused by site {self.site}: {err}") from None
-
     def _decrypt_share(self, src: int, blob: bytes, kind: ShareKind, counter: int) -> shamir.Share:
         plain = decrypt_share(
-            self._secret(self._c),
-            self._neighbour_c[src],
+            self.memory.key("c"),
+            self.memory.neighbour_c[src],
             blob,
-            run_id=self.run_id,
-            epoch=self.epoch,
+            run_id=self.memory.run_id,
+            epoch=self.memory.epoch,
             kind=kind,
             counter=counter,
             src=src,
@@ -269,42 +228,43 @@ class ClientState:
             )
         if self.site not in request.roster:
             raise ProtocolError(explain("roster", "site absent", "site not invited", "-"))
-        if request.run_id == self.run_id and request.epoch <= self.epoch:
+        if request.run_id == self.memory.run_id and request.epoch <= self.memory.epoch:
             raise ProtocolError(
-                explain("epoch", request.epoch, f"must be > {self.epoch} (replay?)", "new epoch")
+                explain("epoch", request.epoch, f"must be > {self.memory.epoch} (replay?)", "new epoch")
             )
         try:
             self.params.neighbours_for(len(request.roster))
         except ConfigError as err:
             raise AbortRound(str(err)) from err
-        self._check_floor(len(request.roster))  # before any key is made
-        self._reset(request.run_id, request.epoch)
-        self._c = SecretKey.generate(self._random_bytes)
-        self._s = SecretKey.generate(self._random_bytes)
-        self.stage = ClientStage.ADVERTISED
-        logger.debug("site %d: advertised keys for epoch %d", self.site, self.epoch)
+        self.floor.neighbours(self.params, len(request.roster))  # before any key is made
+        self.memory.reset(request.run_id, request.epoch)
+        self.last_drop_proof = b""
+        self.memory.c = SecretKey.generate(self._random_bytes)
+        self.memory.s = SecretKey.generate(self._random_bytes)
+        self.memory.stage = ClientStage.ADVERTISED
+        logger.debug("site %d: advertised keys for epoch %d", self.site, self.memory.epoch)
         return KeyAdvertise(
             site=self.site,
-            epoch=self.epoch,
-            c_public=self._c.public_bytes(),
-            s_public=self._s.public_bytes(),
+            epoch=self.memory.epoch,
+            c_public=self.memory.c.public_bytes(),
+            s_public=self.memory.s.public_bytes(),
         )
 
     def handle_share_keys(self, request: ShareKeysRequest) -> ShareKeys:
         """Setup exchange 2: share the generation-0 mask key among the graph neighbours."""
         self._require((ClientStage.ADVERTISED,), request.epoch, "share keys")
-        roster, neighbours, checked = check_share_keys(self, request)
-        self.roster = roster
-        self.neighbours = neighbours
-        self._neighbour_c = checked
+        roster, neighbours, checked = check_share_keys(self.memory, self.params, self.floor, request)
+        self.memory.roster = roster
+        self.memory.neighbours = neighbours
+        self.memory.neighbour_c = checked
         blob = self._encrypt_shares(
-            self._secret(self._s).secret_bytes(), self.neighbours, ShareKind.MASK_KEY, 0
+            self.memory.key("s").secret_bytes(), self.memory.neighbours, ShareKind.MASK_KEY, 0
         )
-        self.gen = 0
-        self.stage = ClientStage.READY
+        self.memory.gen = 0
+        self.memory.stage = ClientStage.READY
         logger.debug("site %d: shared mask key with %d neighbours", self.site, len(neighbours))
         return ShareKeys(
-            site=self.site, epoch=self.epoch, gen=0, recipients=self.neighbours, ciphertexts=blob
+            site=self.site, epoch=self.memory.epoch, gen=0, recipients=self.memory.neighbours, ciphertexts=blob
         )
 
     # -- round ---------------------------------------------------------------------------
@@ -398,7 +358,7 @@ class ClientState:
         """Every precondition of a round, before any secret is touched."""
         stages = (ClientStage.READY, ClientStage.UPLOADED, ClientStage.UNMASKED)
         self._require(stages, request.epoch, "round")
-        return check_round(self, request)
+        return check_round(self.memory, self.params, request)
 
     def _mask_and_upload(
         self,
@@ -410,15 +370,15 @@ class ClientState:
     ) -> MaskedUpload:
         """Double-mask ``vector`` (in place), share the self-mask seed, rotate the mask key."""
         _, ring_bits = self.params.encoding_for(len(tuple(request.participants)))
-        s = self._secret(self._s)
+        s = self.memory.key("s")
         seed = bytes(self._random_bytes(shamir.SECRET_BYTES))
         signed = [
             (
                 1,
                 self_mask_key(
                     seed,
-                    run_id=self.run_id,
-                    epoch=self.epoch,
+                    run_id=self.memory.run_id,
+                    epoch=self.memory.epoch,
                     round_number=request.round,
                     site=self.site,
                 ),
@@ -427,8 +387,8 @@ class ClientState:
         for j, pk in zip(nbrs, pks, strict=True):
             key = pairwise_mask_key(
                 s.exchange(pk),
-                run_id=self.run_id,
-                epoch=self.epoch,
+                run_id=self.memory.run_id,
+                epoch=self.memory.epoch,
                 round_number=request.round,
                 a=self.site,
                 b=j,
@@ -438,40 +398,40 @@ class ClientState:
         b_blob = self._encrypt_shares(seed, nbrs, ShareKind.SELF_MASK_SEED, request.round)
         nxt = SecretKey.generate(self._random_bytes)
         next_blob = self._encrypt_shares(
-            nxt.secret_bytes(), self.neighbours, ShareKind.MASK_KEY, self.gen + 1
+            nxt.secret_bytes(), self.memory.neighbours, ShareKind.MASK_KEY, self.memory.gen + 1
         )
-        self.last_drop_proof = drop_proof(s.secret_bytes(), run_id=self.run_id, epoch=self.epoch,
-                                          site=self.site, gen=self.gen)
-        self._s, self.gen = nxt, self.gen + 1  # the used key is forgotten here
-        self.round = request.round
-        self._round_gens = gens
-        self._gen_floor.update({j: (self.epoch, g) for j, g in gens.items()})
-        self._revealed_b, self._revealed_s = set(), set()
-        self.stage = ClientStage.UPLOADED
+        self.last_drop_proof = drop_proof(s.secret_bytes(), run_id=self.memory.run_id, epoch=self.memory.epoch,
+                                          site=self.site, gen=self.memory.gen)
+        self.memory.s, self.memory.gen = nxt, self.memory.gen + 1  # the used key is forgotten here
+        self.memory.round = request.round
+        self.memory.round_gens = gens
+        self.memory.gen_floor.update({j: (self.memory.epoch, g) for j, g in gens.items()})
+        self.memory.revealed_b, self.memory.revealed_s = set(), set()
+        self.memory.stage = ClientStage.UPLOADED
         logger.debug(
             "site %d: uploaded round %d (%d neighbours, %d values)",
             self.site,
-            self.round,
+            self.memory.round,
             len(nbrs),
             vector.size - 1,
         )
         return MaskedUpload(
             site=self.site,
-            epoch=self.epoch,
-            round=self.round,
+            epoch=self.memory.epoch,
+            round=self.memory.round,
             masked=packing.pack(vector, ring_bits),
             b_commitment=commit_seed(
                 seed,
-                run_id=self.run_id,
-                epoch=self.epoch,
+                run_id=self.memory.run_id,
+                epoch=self.memory.epoch,
                 round_number=request.round,
                 site=self.site,
             ),
             b_recipients=nbrs,
             b_ciphertexts=b_blob,
-            next_gen=self.gen,
+            next_gen=self.memory.gen,
             next_s_public=nxt.public_bytes(),
-            next_recipients=self.neighbours,
+            next_recipients=self.memory.neighbours,
             next_ciphertexts=next_blob,
         )
 
@@ -482,30 +442,30 @@ class ClientState:
         requests), nor a key share of a site that was not a neighbour in this round.
         """
         self._require((ClientStage.UPLOADED, ClientStage.UNMASKED), request.epoch, "unmask")
-        b_ids, s_ids = check_unmask(self, request)
+        b_ids, s_ids = check_unmask(self.memory, request)
         b_cts = split_blob(request.b_ciphertexts, len(b_ids), "b_ciphertexts")
         s_cts = split_blob(request.s_ciphertexts, len(s_ids), "s_ciphertexts")
-        b_pairs = self._open_all(b_ids, b_cts, ShareKind.SELF_MASK_SEED, lambda j: self.round)
-        s_pairs = self._open_all(s_ids, s_cts, ShareKind.MASK_KEY, self._round_gens.__getitem__)
+        b_pairs = self._open_all(b_ids, b_cts, ShareKind.SELF_MASK_SEED, lambda j: self.memory.round)
+        s_pairs = self._open_all(s_ids, s_cts, ShareKind.MASK_KEY, self.memory.round_gens.__getitem__)
         # what was asked for counts as revealed, opened or not (the server never gets the
         # other kind of share for these senders in this round)
-        self._revealed_b |= set(b_ids)
-        self._revealed_s |= set(s_ids)
-        self._revealed_keys |= {(j, self._round_gens[j]) for j in s_ids}
-        self.stage = ClientStage.UNMASKED
+        self.memory.revealed_b |= set(b_ids)
+        self.memory.revealed_s |= set(s_ids)
+        self.memory.revealed_keys |= {(j, self.memory.round_gens[j]) for j in s_ids}
+        self.memory.stage = ClientStage.UNMASKED
         refused = sorted((set(b_ids) | set(s_ids)) - {j for j, _ in b_pairs + s_pairs})
         if refused:
             logger.warning(
                 "site %d: unmask round %d: shares relayed from sites %s did not decrypt; "
                 "left out of the response",
                 self.site,
-                self.round,
+                self.memory.round,
                 refused,
             )
         logger.debug(
             "site %d: unmask round %d: %d self-mask shares, %d key shares",
             self.site,
-            self.round,
+            self.memory.round,
             len(b_pairs),
             len(s_pairs),
         )
@@ -517,8 +477,8 @@ class ClientState:
 
         return UnmaskResponse(
             site=self.site,
-            epoch=self.epoch,
-            round=self.round,
+            epoch=self.memory.epoch,
+            round=self.memory.round,
             b_owners=tuple(j for j, _ in b_pairs),
             b_shares=rows(b_rows),
             s_owners=tuple(j for j, _ in s_pairs),
@@ -528,8 +488,8 @@ class ClientState:
     # -- persistence -----------------------------------------------------------------------
     def state_dict(self) -> MessageDict:
         """Plain ``str -> int | bytes | ndarray`` state (holds secret keys: keep it local)."""
-        return dump_state(self)
+        return self.memory.state_dict()
 
     def load_state_dict(self, state: MessageDict) -> None:
         """Restore from :meth:`state_dict` (raises ProtocolError on a foreign or bad state)."""
-        load_state(self, state)
+        self.memory.load_state_dict(state)

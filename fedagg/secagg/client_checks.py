@@ -1,7 +1,8 @@
 """What a site checks in the server's requests before it touches a secret.
 
-The defences of :class:`~fedagg.secagg.client.ClientState` against a server that lies
-(docs/protocols/secagg.md, section 4), one function per request: a share-keys request must
+The defences of a site against a server that lies (docs/protocols/secagg.md, section 4), over
+what the site remembers (:class:`~fedagg.secagg.client_memory.SiteMemory`) and its own floor on
+the parameters (:class:`SiteFloor`), one function per request: a share-keys request must
 carry every advertised key of the epoch, the site's own keys among them, and the neighbour
 graph recomputed from their hash (:func:`check_share_keys`); a round request must name roster
 sites, this site's key generation and graph neighbours, none announced at a key generation
@@ -17,29 +18,50 @@ Bell et al., CCS 2020 (SecAgg+).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from fedagg.errors import AbortRound, ConfigError, ProtocolError, explain
+from fedagg.secagg.client_memory import SiteMemory
 from fedagg.secagg.graph import ADVERTISED_KEY_BYTES, graph_seed, harary_graph
-from fedagg.secagg.keys import KEY_BYTES, check_public_key
+from fedagg.secagg.keys import KEY_BYTES, check_public_key, split_keys
 from fedagg.secagg.messages import RoundRequest, ShareKeysRequest, UnmaskRequest
+from fedagg.secagg.params import SecAggParams, check_site_floor, validate_site_floor
 
-if TYPE_CHECKING:
-    from fedagg.secagg.client import ClientState
-
-__all__ = ["check_round", "check_share_keys", "check_unmask"]
+__all__ = ["SiteFloor", "check_round", "check_share_keys", "check_unmask"]
 
 _NONE = (-1, -1)  # no generation seen yet
 
 
-def _split_keys(blob: bytes, count: int, field: str) -> list[bytes]:
-    if len(blob) != count * KEY_BYTES:
-        raise ProtocolError(explain(field, len(blob), f"must be {count} x 32 bytes", "resend"))
-    return [blob[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in range(count)]
+@dataclass(frozen=True)
+class SiteFloor:
+    """A site's own floor on the server's parameters: it refuses a setup whose
+    ``t <= threshold_floor * k`` or whose graph degree ``k < min(min_neighbours, N - 1)``
+    (:func:`~fedagg.secagg.params.check_site_floor`).
+
+    Raises
+    ------
+    ConfigError
+        ``threshold_floor`` not in ``[0, 1)`` or ``min_neighbours < 1``.
+    """
+
+    site: int
+    threshold_floor: float
+    min_neighbours: int
+
+    def __post_init__(self) -> None:
+        validate_site_floor(self.threshold_floor, self.min_neighbours)
+
+    def neighbours(self, params: SecAggParams, num_sites: int) -> int:
+        """``k`` for ``num_sites``; ProtocolError when the server's parameters are too weak."""
+        try:
+            return check_site_floor(params, num_sites, threshold_floor=self.threshold_floor,
+                                    min_neighbours=self.min_neighbours)
+        except ConfigError as err:
+            raise ProtocolError(f"refused by site {self.site}: {err}") from None
 
 
 def check_share_keys(
-    client: ClientState, request: ShareKeysRequest
+    client: SiteMemory, params: SecAggParams, floor: SiteFloor, request: ShareKeysRequest
 ) -> tuple[tuple[int, ...], tuple[int, ...], dict[int, bytes]]:
     """The checks of setup exchange 2: ``(roster, neighbours, neighbour c public keys)``."""
     roster = tuple(request.roster)  # distinct ids (checked when the message was built)
@@ -48,10 +70,10 @@ def check_share_keys(
             explain("roster", "invalid", "must be sorted and list this site", "-")
         )
     try:
-        client.params.neighbours_for(len(roster))
+        params.neighbours_for(len(roster))
     except ConfigError as err:
         raise AbortRound(str(err)) from err
-    k = client._check_floor(len(roster))
+    k = floor.neighbours(params, len(roster))
     announced = request.roster_public
     if len(announced) != len(roster) * ADVERTISED_KEY_BYTES:
         raise ProtocolError(
@@ -66,7 +88,7 @@ def check_share_keys(
         j: announced[pos * ADVERTISED_KEY_BYTES : (pos + 1) * ADVERTISED_KEY_BYTES]
         for pos, j in enumerate(roster)
     }
-    own = client._secret(client._c).public_bytes() + client._secret(client._s).public_bytes()
+    own = client.key("c").public_bytes() + client.key("s").public_bytes()
     if entry[client.site] != own:
         raise ProtocolError(
             explain("roster_public", "own keys", "differ from the keys this site sent", "-")
@@ -76,7 +98,7 @@ def check_share_keys(
         raise ProtocolError(
             explain("neighbours", list(request.neighbours), "differ from the graph", "-")
         )
-    keys = _split_keys(request.neighbour_c_public, len(request.neighbours), "c_public")
+    keys = split_keys(request.neighbour_c_public, len(request.neighbours), "c_public")
     if keys != [entry[j][:KEY_BYTES] for j in graph[client.site]]:
         raise ProtocolError(
             explain("neighbour_c_public", "mismatch", "differ from the advertised keys", "-")
@@ -89,7 +111,7 @@ def check_share_keys(
 
 
 def check_round(
-    client: ClientState, request: RoundRequest
+    client: SiteMemory, params: SecAggParams, request: RoundRequest
 ) -> tuple[dict[int, int], tuple[int, ...], list[bytes]]:
     """The checks of round exchange 1: ``(neighbour generations, neighbours, their s keys)``."""
     if request.round <= client.round:
@@ -111,12 +133,12 @@ def check_round(
     if tuple(request.neighbours) != nbrs or len(request.neighbour_gens) != len(nbrs):
         raise ProtocolError(explain("neighbours", "mismatch", "differ from the graph", "-"))
     gens = dict(zip(nbrs, request.neighbour_gens, strict=True))
-    if any((j, g) in client._revealed_keys for j, g in gens.items()):
+    if any((j, g) in client.revealed_keys for j, g in gens.items()):
         raise ProtocolError(
             explain("neighbour_gens", "revealed key", "a neighbour key was rebuilt", "re-key")
         )
     stale = sorted(
-        j for j, g in gens.items() if (client.epoch, g) <= client._gen_floor.get(j, _NONE)
+        j for j, g in gens.items() if (client.epoch, g) <= client.gen_floor.get(j, _NONE)
     )
     if stale:
         # A mask key is used in one round only. Announcing a neighbour at a generation this
@@ -130,34 +152,34 @@ def check_round(
                 "an honest server announces every neighbour's newest key; request refused",
             )
         )
-    if len(nbrs) < client.params.threshold:
+    if len(nbrs) < params.threshold:
         raise AbortRound(
             explain(
-                "neighbours", len(nbrs), f"fewer than threshold={client.params.threshold}", "-"
+                "neighbours", len(nbrs), f"fewer than threshold={params.threshold}", "-"
             )
         )
     pks = [
         check_public_key(pk, "neighbour_s_public")
-        for pk in _split_keys(request.neighbour_s_public, len(nbrs), "neighbour_s_public")
+        for pk in split_keys(request.neighbour_s_public, len(nbrs), "neighbour_s_public")
     ]
     return gens, nbrs, pks
 
 
 def check_unmask(
-    client: ClientState, request: UnmaskRequest
+    client: SiteMemory, request: UnmaskRequest
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The checks of round exchange 2: ``(self-mask share senders, key share senders)``."""
     if request.round != client.round:
         raise ProtocolError(explain("round", request.round, f"must be {client.round}", "-"))
     b_ids, s_ids = tuple(request.b_senders), tuple(request.s_senders)
-    known = set(client._round_gens)
+    known = set(client.round_gens)
     for name, ids in (("b_senders", b_ids), ("s_senders", s_ids)):
         if len(set(ids)) != len(ids) or not set(ids) <= known:
             raise ProtocolError(
                 explain(name, list(ids), "must be this round's neighbours", "-")
             )
-    both = (set(b_ids) & set(s_ids)) | (set(b_ids) & client._revealed_s)
-    both |= set(s_ids) & client._revealed_b
+    both = (set(b_ids) & set(s_ids)) | (set(b_ids) & client.revealed_s)
+    both |= set(s_ids) & client.revealed_b
     if both:
         raise ProtocolError(
             explain(
@@ -167,6 +189,6 @@ def check_unmask(
                 "an honest server never does this; the request is refused",
             )
         )
-    if tuple(request.s_gens) != tuple(client._round_gens[j] for j in s_ids):
+    if tuple(request.s_gens) != tuple(client.round_gens[j] for j in s_ids):
         raise ProtocolError(explain("s_gens", list(request.s_gens), "wrong generations", "-"))
     return b_ids, s_ids

@@ -56,6 +56,7 @@ __all__ = [
     "is_canonical_public_key",
     "pairwise_mask_key",
     "self_mask_key",
+    "split_keys",
 ]
 
 RandomBytes = Callable[[int], bytes]
@@ -175,6 +176,14 @@ def is_canonical_public_key(public: bytes) -> bool:
     neighbour-graph seed hashes.
     """
     return len(public) == KEY_BYTES and int.from_bytes(public, "little") < _FIELD_PRIME
+
+
+def split_keys(blob: bytes, count: int, field: str) -> list[bytes]:
+    """``count`` public keys of :data:`KEY_BYTES` each from ``blob`` (ProtocolError naming
+    ``field`` when its length is not exactly that)."""
+    if len(blob) != count * KEY_BYTES:
+        raise ProtocolError(explain(field, len(blob), f"must be {count} x 32 bytes", "resend"))
+    return [blob[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in range(count)]
 
 
 def check_public_key(public: object, field: str = "public_key") -> bytes:

@@ -105,7 +105,7 @@ def test_encoded_vector_of_the_wrong_size_or_dtype_is_refused(bad: str) -> None:
     client = net.clients[0]
     with pytest.raises(ProtocolError, match="uint32 ring elements"):
         client.handle_round_encoded(requests[0], vec)
-    assert client.round == 0 and client.gen == 0  # nothing was used up
+    assert client.memory.round == 0 and client.memory.gen == 0  # nothing was used up
 
 
 def test_encoded_entry_keeps_the_replay_and_generation_checks() -> None:

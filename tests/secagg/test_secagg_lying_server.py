@@ -224,7 +224,7 @@ def test_version_1_state_loads_with_no_memory_and_a_bad_floor_is_refused() -> No
     old["version"] = 1
     clone = ClientState(0, net.params, random_bytes=deterministic_random_bytes(1, "x"))
     clone.load_state_dict(old)
-    assert clone._gen_floor == {}
+    assert clone.memory.gen_floor == {}
     for bad in (np.arange(4, dtype=np.int64), "x"):
         with pytest.raises(ProtocolError, match="malformed state"):
             clone.load_state_dict({**state, "gen_floor": bad})  # type: ignore[dict-item]
@@ -234,15 +234,15 @@ def test_memory_is_kept_across_epochs_of_a_run_and_dropped_for_a_new_run() -> No
     net = Net(4, SecAggParams(threshold=2, weight_scale=1.0))
     net.setup()
     net.round(1, updates(1, 4, DIM))
-    assert net.clients[0]._gen_floor
+    assert net.clients[0].memory.gen_floor
     net.setup()  # epoch 2 of the same run: generation 0 of the new epoch is newer
-    assert net.clients[0]._gen_floor and net.server.epoch == 2
+    assert net.clients[0].memory.gen_floor and net.server.epoch == 2
     res = net.round(2, updates(2, 4, DIM))
     assert res.counted == (0, 1, 2, 3)
     other = Net(4, net.params, run_id=b"another-run")
     other.clients[0] = _serial(net, 0)
     other.setup()
-    assert other.clients[0]._gen_floor == {}
+    assert other.clients[0].memory.gen_floor == {}
 
 
 # -- the site's floor for t and k ----------------------------------------------------------
@@ -269,7 +269,7 @@ def test_site_refuses_parameters_below_its_floor(n: int, params: SecAggParams, f
     with pytest.raises(ProtocolError, match=field) as err:
         client.handle_advertise(_advertise_request(n, params))
     assert "refused by site 0" in str(err.value) and "Fix:" in str(err.value)
-    assert client.stage == ClientStage.NEW and client._c is None
+    assert client.memory.stage == ClientStage.NEW and client.memory.c is None
 
 
 def test_site_floors_are_constructor_parameters() -> None:
@@ -325,7 +325,7 @@ def test_floor_is_checked_again_on_the_roster_of_share_keys() -> None:
     )
     with pytest.raises(ProtocolError, match=r"secagg\.threshold"):
         net.clients[0].handle_share_keys(bigger)
-    assert net.clients[0].stage == ClientStage.ADVERTISED
+    assert net.clients[0].memory.stage == ClientStage.ADVERTISED
 
 
 @given(
@@ -437,7 +437,7 @@ def test_site_checks_its_own_keys_and_the_neighbour_keys_in_roster_public() -> N
     unsorted = dataclasses.replace(honest, roster=tuple(reversed(honest.roster)))
     with pytest.raises(ProtocolError, match="sorted"):
         net.clients[2].handle_share_keys(unsorted)
-    assert net.clients[2].stage == ClientStage.ADVERTISED
+    assert net.clients[2].memory.stage == ClientStage.ADVERTISED
     assert net.clients[2].handle_share_keys(honest).recipients == honest.neighbours
 
 

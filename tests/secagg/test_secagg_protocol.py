@@ -172,7 +172,7 @@ def test_client_refuses_wrong_generation_neighbours_or_size() -> None:
         )
     with pytest.raises(ProtocolError):
         c.handle_round(req, np.zeros(3), 1.0, rng=rng)
-    assert c.stage == ClientStage.READY  # nothing consumed by refused requests
+    assert c.memory.stage == ClientStage.READY  # nothing consumed by refused requests
 
 
 def test_client_refuses_replayed_or_mismatched_setup() -> None:
@@ -259,7 +259,7 @@ def test_share_for_a_non_neighbour_or_wrong_generation_is_refused() -> None:
     r = hand_round(params=SecAggParams(threshold=3, num_neighbours=4), n=8)
     req = _unmask_for(r, 0)
     stranger = next(i for i in range(1, 8) if i not in req.b_senders)
-    assert stranger not in r.clients[0].neighbours
+    assert stranger not in r.clients[0].memory.neighbours
     bad = UnmaskRequest(1, 1, (), b"", (stranger,), (0,), b"\x00" * CIPHERTEXT_BYTES)
     with pytest.raises(ProtocolError):
         r.clients[0].handle_unmask(bad)

@@ -90,7 +90,7 @@ def test_floors_default_and_come_from_the_node_config() -> None:
     ctx = Context(run_id=1, node_id=9, state=RecordDict(), run_config={},
                   node_config={"secagg-threshold-floor": 0.75, "secagg-min-neighbours": 5})
     state = _load(ctx, 0, SecAggParams(threshold=2), fresh_ok=True)
-    assert (state.threshold_floor, state.min_neighbours) == (0.75, 5)
+    assert (state.floor.threshold_floor, state.floor.min_neighbours) == (0.75, 5)
 
 
 @pytest.mark.parametrize(("key", "value"), [("secagg-threshold-floor", 1.0),
