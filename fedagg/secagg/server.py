@@ -26,7 +26,6 @@ Protocol: Bonawitz et al., CCS 2017, section 4; neighbour graph of Bell et al., 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Iterable, Sequence
 
@@ -54,29 +53,21 @@ from fedagg.secagg.messages import (
     UnmaskResponse,
 )
 from fedagg.secagg.params import SecAggParams
+from fedagg.secagg.server_books import Ids, MaskKey, RoundBook, SetupBook
 from fedagg.secagg.server_checks import (
     check_advertise,
     check_share_keys,
     check_unmask,
     check_upload,
+    require_stage,
 )
-from fedagg.secagg.server_sum import RoundResult, _Accumulator
+from fedagg.secagg.server_sum import RoundResult, UploadSum
 from fedagg.secagg.stages import ServerStage
 from fedagg.secagg.threads import resolve_threads
 
 __all__ = ["RoundResult", "ServerStage", "ServerState"]
 
 logger = logging.getLogger(__name__)
-Ids = tuple[int, ...]
-
-
-@dataclasses.dataclass
-class _MaskKey:
-    gen: int
-    public: bytes
-    ciphertexts: dict[int, bytes]  # recipient -> encrypted share
-
-
 class ServerState:
     """Secure-aggregation state of the server (one per run).
 
@@ -114,20 +105,20 @@ class ServerState:
         )
 
     def _new_epoch(self, invited: Ids) -> None:
-        self._invited = invited
-        self._refused: dict[int, int] = {}
-        self._c_public: dict[int, bytes] = {}
-        self._s_public: dict[int, bytes] = {}
-        self.roster: Ids = ()
-        self._graph: dict[int, Ids] = {}
-        self._keys: dict[int, _MaskKey] = {}
-        self._ready: set[int] = set()
-        self._stale: set[int] = set()
+        self.setup = SetupBook(invited=invited)
+        """The epoch's key setup (:class:`~fedagg.secagg.server_books.SetupBook`)."""
+        self.open = RoundBook()
+        """The current round (:class:`~fedagg.secagg.server_books.RoundBook`)."""
+
+    @property
+    def roster(self) -> Ids:
+        """The epoch's sites that advertised keys (empty before ``close_advertise``)."""
+        return self.setup.roster
 
     @property
     def graph(self) -> dict[int, Ids]:
         """The epoch's neighbour graph (site -> sorted neighbours; empty before setup)."""
-        return dict(self._graph)
+        return dict(self.setup.graph)
 
     @property
     def blamed_sites(self) -> Ids:
@@ -144,7 +135,7 @@ class ServerState:
     @property
     def usable_sites(self) -> Ids:
         """Sites that may take part in the next round without re-keying."""
-        return tuple(sorted(self._ready - self._stale))
+        return tuple(sorted(self.setup.ready - self.setup.stale))
 
     @property
     def drop_proofs(self) -> dict[int, bytes]:
@@ -158,18 +149,7 @@ class ServerState:
         return not set(sites) <= set(self.usable_sites)
 
     def _require(self, stage: ServerStage, what: str) -> None:
-        if self.stage != stage:
-            raise ProtocolError(
-                explain(what, self.stage.name, f"needs stage {stage.name}", "follow the stages")
-            )
-
-    def _check(self, msg_epoch: int, msg_round: int | None = None) -> None:
-        if msg_epoch != self.epoch or (msg_round is not None and msg_round != self._round):
-            raise ProtocolError(
-                explain(
-                    "epoch/round", (msg_epoch, msg_round), "stale or foreign message", "drop it"
-                )
-            )
+        require_stage(self.stage, stage, what)
 
     # -- setup -----------------------------------------------------------------------------
     def begin_setup(self, sites: Iterable[int]) -> KeyAdvertiseRequest:
@@ -199,9 +179,9 @@ class ServerState:
         authenticated for this reply (e.g. from the Flower node id). When given, a message
         whose ``site`` differs is refused, so one site cannot answer in another's name.
         """
-        c_public, s_public = check_advertise(self, msg, sender)
-        self._c_public[msg.site] = c_public
-        self._s_public[msg.site] = s_public
+        c_public, s_public = check_advertise(self.stage, self.epoch, self.setup, msg, sender)
+        self.setup.c_public[msg.site] = c_public
+        self.setup.s_public[msg.site] = s_public
 
     def close_advertise(self) -> dict[int, ShareKeysRequest]:
         """Fix the epoch roster and graph; one ShareKeysRequest per advertised site.
@@ -211,24 +191,24 @@ class ServerState:
         that every site can recompute the graph it is told.
         """
         self._require(ServerStage.ADVERTISING, "close_advertise")
-        roster = tuple(sorted(self._c_public))
+        roster = tuple(sorted(self.setup.c_public))
         try:
             k = self.params.neighbours_for(len(roster))
         except ConfigError as err:
             self.stage = ServerStage.IDLE
             raise AbortRound(f"setup failed: {err}") from err
-        self.roster = roster
-        announced = b"".join(self._c_public[i] + self._s_public[i] for i in roster)
+        self.setup.roster = roster
+        announced = b"".join(self.setup.c_public[i] + self.setup.s_public[i] for i in roster)
         seed = graph_seed(self.run_id, self.epoch, roster, keys=announced)
-        self._graph = harary_graph(roster, k, seed)
-        self._keys = {i: _MaskKey(0, self._s_public[i], {}) for i in roster}
+        self.setup.graph = harary_graph(roster, k, seed)
+        self.setup.keys = {i: MaskKey(0, self.setup.s_public[i], {}) for i in roster}
         self.stage = ServerStage.SHARING
         return {
             i: ShareKeysRequest(
                 epoch=self.epoch,
                 roster=roster,
-                neighbours=self._graph[i],
-                neighbour_c_public=b"".join(self._c_public[j] for j in self._graph[i]),
+                neighbours=self.setup.graph[i],
+                neighbour_c_public=b"".join(self.setup.c_public[j] for j in self.setup.graph[i]),
                 roster_public=announced,
             )
             for i in roster
@@ -236,18 +216,18 @@ class ServerState:
 
     def receive_share_keys(self, msg: ShareKeys, *, sender: int | None = None) -> None:
         """Accept one site's encrypted key shares (``sender``: see :meth:`receive_advertise`)."""
-        cts = check_share_keys(self, msg, sender)
-        self._keys[msg.site].ciphertexts = dict(zip(msg.recipients, cts, strict=True))
-        self._ready.add(msg.site)
+        cts = check_share_keys(self.stage, self.epoch, self.setup, msg, sender)
+        self.setup.keys[msg.site].ciphertexts = dict(zip(msg.recipients, cts, strict=True))
+        self.setup.ready.add(msg.site)
 
     def close_share_keys(self) -> Ids:
         """Finish setup; returns the sites that completed it (the usable roster)."""
         self._require(ServerStage.SHARING, "close_share_keys")
-        if len(self._ready) < 2:
+        if len(self.setup.ready) < 2:
             self.stage = ServerStage.IDLE
-            raise AbortRound(f"setup failed: only {len(self._ready)} site(s) shared keys")
+            raise AbortRound(f"setup failed: only {len(self.setup.ready)} site(s) shared keys")
         self.stage = ServerStage.READY
-        logger.debug("server: epoch %d ready with %d sites", self.epoch, len(self._ready))
+        logger.debug("server: epoch %d ready with %d sites", self.epoch, len(self.setup.ready))
         return self.usable_sites
 
     # -- round -----------------------------------------------------------------------------
@@ -285,7 +265,7 @@ class ServerState:
         frac_bits, ring_bits = self.params.encoding_for(len(part))
         self.last_round = round_number
         pset = set(part)
-        nbrs = {i: tuple(j for j in self._graph[i] if j in pset) for i in part}
+        nbrs = {i: tuple(j for j in self.setup.graph[i] if j in pset) for i in part}
         short = [i for i in part if len(nbrs[i]) < self.params.threshold]
         if short:
             raise AbortRound(
@@ -296,21 +276,9 @@ class ServerState:
                     "sample more sites or lower the threshold",
                 )
             )
-        self._round, self._participants, self._dim, self._frac_bits = (
-            round_number,
-            part,
-            dim,
-            frac_bits,
-        )
-        self._ring_bits = ring_bits
-        self._nbrs = nbrs
-        self._used = {i: (self._keys[i].gen, self._keys[i].public) for i in part}
-        self._uploads: set[int] = set()
-        self._total: _Accumulator | None = None  # running sum, added on arrival
-        self._commitments: dict[int, bytes] = {}
-        self._refused = {}  # owner -> recipients that could not open its shares, this round
-        self._b_cts: dict[tuple[int, int], bytes] = {}
-        self._responses: dict[int, UnmaskResponse] = {}
+        self.open = RoundBook(round=round_number, participants=part, dim=dim,
+                              frac_bits=frac_bits, ring_bits=ring_bits, nbrs=nbrs)
+        self.open.used = {i: (self.setup.keys[i].gen, self.setup.keys[i].public) for i in part}
         self.stage = ServerStage.COLLECTING
         return {
             i: RoundRequest(
@@ -318,10 +286,10 @@ class ServerState:
                 round=round_number,
                 participants=part,
                 dim=dim,
-                gen=self._used[i][0],
+                gen=self.open.used[i][0],
                 neighbours=nbrs[i],
-                neighbour_gens=tuple(self._used[j][0] for j in nbrs[i]),
-                neighbour_s_public=b"".join(self._used[j][1] for j in nbrs[i]),
+                neighbour_gens=tuple(self.open.used[j][0] for j in nbrs[i]),
+                neighbour_s_public=b"".join(self.open.used[j][1] for j in nbrs[i]),
             )
             for i in part
         }
@@ -329,29 +297,30 @@ class ServerState:
     def receive_upload(self, msg: MaskedUpload, *, sender: int | None = None) -> None:
         """Accept one masked upload (late or duplicate uploads are refused; ``sender``: see
         :meth:`receive_advertise`)."""
-        public, b_cts, next_cts = check_upload(self, msg, sender)
+        public, b_cts, next_cts = check_upload(self.stage, self.epoch, self.setup, self.open,
+                                               msg, sender)
         i = msg.site
-        if self._total is None:
-            self._total = _Accumulator(self._dim + 1, self._ring_bits, self.threads)
-        self._total.add(msg.masked)
-        self._uploads.add(i)
-        self._commitments[i] = msg.b_commitment
-        self._b_cts.update({(i, j): ct for j, ct in zip(self._nbrs[i], b_cts, strict=True)})
-        self._keys[i] = _MaskKey(
-            msg.next_gen, public, dict(zip(self._graph[i], next_cts, strict=True))
+        if self.open.total is None:
+            self.open.total = UploadSum(self.open.dim + 1, self.open.ring_bits, self.threads)
+        self.open.total.add(msg.masked)
+        self.open.uploads.add(i)
+        self.open.commitments[i] = msg.b_commitment
+        self.open.b_cts.update({(i, j): ct for j, ct in zip(self.open.nbrs[i], b_cts, strict=True)})
+        self.setup.keys[i] = MaskKey(
+            msg.next_gen, public, dict(zip(self.setup.graph[i], next_cts, strict=True))
         )
 
     def _recoverable(self, alive: set[int], dropped: set[int]) -> list[str]:
         t = self.params.threshold
         problems = [
             f"site {i}: self mask has {n} live holders"
-            for i in sorted(self._uploads)
-            if (n := len(set(self._nbrs[i]) & alive)) < t
+            for i in sorted(self.open.uploads)
+            if (n := len(set(self.open.nbrs[i]) & alive)) < t
         ]
         problems += [
             f"site {j}: mask key has {n} live holders"
             for j in sorted(dropped)
-            if 0 < (n := len(set(self._nbrs[j]) & alive)) < t
+            if 0 < (n := len(set(self.open.nbrs[j]) & alive)) < t
         ]
         return problems
 
@@ -362,33 +331,33 @@ class ServerState:
         than ``threshold`` holders among the uploaders.
         """
         self._require(ServerStage.COLLECTING, "close_uploads")
-        counted = set(self._uploads)
-        dropped = set(self._participants) - counted
-        self._stale |= dropped
+        counted = set(self.open.uploads)
+        dropped = set(self.open.participants) - counted
+        self.setup.stale |= dropped
         problems = self._recoverable(counted, dropped)
         if not counted:
             problems.append("no site uploaded")
         if problems:
             self.stage = ServerStage.READY
-            raise AbortRound(f"round {self._round} aborted: " + "; ".join(problems))
-        self._dropped = dropped
+            raise AbortRound(f"round {self.open.round} aborted: " + "; ".join(problems))
+        self.open.dropped = dropped
         requests = {}
         for i in sorted(counted):
-            b_from = tuple(j for j in self._nbrs[i] if j in counted)
-            s_from = tuple(j for j in self._nbrs[i] if j in dropped)
+            b_from = tuple(j for j in self.open.nbrs[i] if j in counted)
+            s_from = tuple(j for j in self.open.nbrs[i] if j in dropped)
             requests[i] = UnmaskRequest(
                 epoch=self.epoch,
-                round=self._round,
+                round=self.open.round,
                 b_senders=b_from,
-                b_ciphertexts=b"".join(self._b_cts[(j, i)] for j in b_from),
+                b_ciphertexts=b"".join(self.open.b_cts[(j, i)] for j in b_from),
                 s_senders=s_from,
-                s_gens=tuple(self._used[j][0] for j in s_from),
-                s_ciphertexts=b"".join(self._keys[j].ciphertexts[i] for j in s_from),
+                s_gens=tuple(self.open.used[j][0] for j in s_from),
+                s_ciphertexts=b"".join(self.setup.keys[j].ciphertexts[i] for j in s_from),
             )
-        self._requests = requests
+        self.open.requests = requests
         self.stage = ServerStage.UNMASKING
         logger.debug(
-            "server: round %d: %d uploads, %d dropped", self._round, len(counted), len(dropped)
+            "server: round %d: %d uploads, %d dropped", self.open.round, len(counted), len(dropped)
         )
         return requests
 
@@ -398,38 +367,38 @@ class ServerState:
         The owners must be the requested senders in order; some may be left out (the site
         could not decrypt their ciphertexts).
         """
-        req = check_unmask(self, msg, sender)
+        req = check_unmask(self.stage, self.epoch, self.open, msg, sender)
         left_out = set(req.b_senders) - set(msg.b_owners)
         left_out |= set(req.s_senders) - set(msg.s_owners)
         for j in left_out:
-            self._refused[j] = self._refused.get(j, 0) + 1
-        self._responses[msg.site] = msg
+            self.open.refused[j] = self.open.refused.get(j, 0) + 1
+        self.open.responses[msg.site] = msg
 
     def _abort_for(self, owners: Sequence[int]) -> None:
         """Blame the owners whose shares recipients refused, and make them re-key."""
-        blamed = {j for j in owners if self._refused.get(j, 0)}
+        blamed = {j for j in owners if self.open.refused.get(j, 0)}
         if blamed:
             logger.warning(
                 "server: round %d: shares of sites %s refused by their recipients",
-                self._round,
+                self.open.round,
                 sorted(blamed),
             )
         self._blamed |= blamed
-        self._stale |= blamed
-        if self._total is not None:
-            self._total.cancel()
-            self._total = None
+        self.setup.stale |= blamed
+        if self.open.total is not None:
+            self.open.total.cancel()
+            self.open.total = None
 
     def abort_round(self) -> None:
         """Abandon the open round (e.g. on a timeout at the edge); nothing is aggregated."""
         if self.stage == ServerStage.COLLECTING:
-            self._stale |= set(self._participants) - set(self._uploads)
+            self.setup.stale |= set(self.open.participants) - set(self.open.uploads)
         elif self.stage != ServerStage.UNMASKING:
             raise ProtocolError(explain("abort_round", self.stage.name, "no open round", "-"))
         self.stage = ServerStage.READY
-        if self._total is not None:
-            self._total.cancel()
-            self._total = None
+        if self.open.total is not None:
+            self.open.total.cancel()
+            self.open.total = None
 
     def finish_round(self) -> RoundResult:
         """Reconstruct the needed secrets, unmask the sum and decode the weighted mean.
@@ -452,22 +421,22 @@ class ServerState:
         t = self.params.threshold
         b_shares: dict[int, list[shamir.Share]] = {}
         s_shares: dict[int, list[shamir.Share]] = {}
-        for r, msg in self._responses.items():  # rows were checked (< p) when the reply came
+        for r, msg in self.open.responses.items():  # rows were checked (< p) when the reply came
             for owner, row in zip(msg.b_owners, msg.b_shares, strict=True):
                 b_shares.setdefault(owner, []).append(shamir.Share(r + 1, row))
             for owner, row in zip(msg.s_owners, msg.s_shares, strict=True):
                 s_shares.setdefault(owner, []).append(shamir.Share(r + 1, row))
         self._drop_proofs = {}
-        counted = tuple(sorted(self._uploads))
-        need_s = [j for j in sorted(self._dropped) if set(self._nbrs[j]) & set(counted)]
+        counted = tuple(sorted(self.open.uploads))
+        need_s = [j for j in sorted(self.open.dropped) if set(self.open.nbrs[j]) & set(counted)]
         short = [i for i in counted if len(b_shares.get(i, ())) < t]
         short += [j for j in need_s if len(s_shares.get(j, ())) < t]
         if short:
             self._abort_for(short)
             raise AbortRound(
-                f"round {self._round} aborted: fewer than threshold={t} shares for sites {short}"
+                f"round {self.open.round} aborted: fewer than threshold={t} shares for sites {short}"
             )
-        run_id, epoch, rnd = self.run_id, self.epoch, self._round
+        run_id, epoch, rnd = self.run_id, self.epoch, self.open.round
         seeds: dict[int, bytes] = {}
         secrets: dict[int, SecretKey] = {}
         owner = -1
@@ -478,27 +447,27 @@ class ServerState:
                     commitment = commit_seed(
                         seed, run_id=run_id, epoch=epoch, round_number=rnd, site=i
                     )
-                    return commitment == self._commitments[i]
+                    return commitment == self.open.commitments[i]
 
                 seeds[owner] = shamir.reconstruct_verified(b_shares[owner], t, opens)
             for owner in need_s:
 
                 def matches(raw: bytes, j: int = owner) -> bool:
-                    return SecretKey(raw).public_bytes() == self._used[j][1]
+                    return SecretKey(raw).public_bytes() == self.open.used[j][1]
 
                 raw = shamir.reconstruct_verified(s_shares[owner], t, matches)
                 secrets[owner] = SecretKey(raw)
                 self._drop_proofs[owner] = drop_proof(raw, run_id=run_id, epoch=epoch,
-                                                      site=owner, gen=self._used[owner][0])
+                                                      site=owner, gen=self.open.used[owner][0])
         except VerificationError:
             # no candidate opened the commitment / matched the public key: the owner shared
             # inconsistent shares, or more holders lied than decoding can get around
-            self._refused[owner] = self._refused.get(owner, 0) + 1
+            self.open.refused[owner] = self.open.refused.get(owner, 0) + 1
             self._abort_for([owner])
             raise
-        acc = self._total
+        acc = self.open.total
         assert acc is not None  # close_uploads refuses a round without uploads
-        self._total = None
+        self.open.total = None
         total = acc.result()
         self_keys = [
             (-1, self_mask_key(seeds[i], run_id=run_id, epoch=epoch, round_number=rnd, site=i))
@@ -511,7 +480,7 @@ class ServerState:
                 (
                     -pairwise_sign(i, j),
                     pairwise_mask_key(
-                        secret.exchange(self._used[i][1]),
+                        secret.exchange(self.open.used[i][1]),
                         run_id=run_id,
                         epoch=epoch,
                         round_number=rnd,
@@ -519,22 +488,22 @@ class ServerState:
                         b=j,
                     ),
                 )
-                for i in self._nbrs[j]
-                if i in self._uploads
+                for i in self.open.nbrs[j]
+                if i in self.open.uploads
             ]
             add_masks(total, pair_keys, threads=self.threads)
-        weighted_sum, weight = fixed_point.decode_sum(total, self._frac_bits, self._ring_bits)
-        bound = fixed_point.error_bound(len(counted), weight, self.params.clip, self._frac_bits)
-        logger.debug("server: round %d unmasked (%d counted)", self._round, len(counted))
+        weighted_sum, weight = fixed_point.decode_sum(total, self.open.frac_bits, self.open.ring_bits)
+        bound = fixed_point.error_bound(len(counted), weight, self.params.clip, self.open.frac_bits)
+        logger.debug("server: round %d unmasked (%d counted)", self.open.round, len(counted))
         return RoundResult(
             epoch=self.epoch,
-            round=self._round,
+            round=self.open.round,
             mean=np.divide(weighted_sum, weight, out=weighted_sum),  # a fresh array: in place
             total_weight=weight * self.params.weight_scale,
             counted=counted,
-            dropped=tuple(sorted(self._dropped)),
-            frac_bits=self._frac_bits,
+            dropped=tuple(sorted(self.open.dropped)),
+            frac_bits=self.open.frac_bits,
             error_bound=bound,
-            ring_bits=self._ring_bits,
+            ring_bits=self.open.ring_bits,
             total=total,
         )

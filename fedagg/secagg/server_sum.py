@@ -1,6 +1,6 @@
 """The server's sum of masked uploads, and what a completed round returns.
 
-``_Accumulator`` adds each packed upload into the running ``uint32`` sum mod ``2^b`` as it
+``UploadSum`` adds each packed upload into the running ``uint32`` sum mod ``2^b`` as it
 arrives (in worker threads for large vectors, bit-identical to the serial loop);
 :class:`RoundResult` is the outcome of :meth:`fedagg.secagg.server.ServerState.finish_round`
 (importable from :mod:`fedagg.secagg.server` and :mod:`fedagg.secagg` as well).
@@ -18,7 +18,7 @@ from numpy.typing import NDArray
 from fedagg.secagg import fixed_point, packing
 from fedagg.secagg.threads import pool
 
-__all__ = ["RoundResult"]
+__all__ = ["RoundResult", "UploadSum"]
 
 Ids = tuple[int, ...]
 
@@ -68,7 +68,7 @@ class RoundResult:
         )
 
 
-class _Accumulator:
+class UploadSum:
     """Running sum of packed uploads, added on arrival (in worker threads when ``threads > 1``).
 
     With one thread, :meth:`add` unpacks and adds in the caller. With more, each upload is

@@ -151,10 +151,10 @@ def test_one_garbage_self_mask_ciphertext_costs_only_that_share() -> None:
     ups = updates(4, 6, DIM)
     net.uploads(1, ups, upload=lambda i, up: up if i != 1 else dataclasses.replace(
         up, b_ciphertexts=_garble(up.b_ciphertexts, range(1))))
-    victim = net.server._nbrs[1][0]  # the recipient of the first ciphertext
+    victim = net.server.open.nbrs[1][0]  # the recipient of the first ciphertext
     _, answers = net.unmask()
     assert 1 not in answers[victim].b_owners
-    assert set(answers[victim].b_owners) == set(net.server._nbrs[victim]) - {1}
+    assert set(answers[victim].b_owners) == set(net.server.open.nbrs[victim]) - {1}
     res = net.server.finish_round()
     assert res.counted == tuple(range(6)) and net.server.blamed_sites == ()
     assert np.abs(res.mean - plain_mean(ups, range(6))).max() <= res.error_bound

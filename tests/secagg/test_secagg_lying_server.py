@@ -127,9 +127,9 @@ def test_reannounced_key_generation_is_refused_and_the_update_stays_hidden(t: in
     n, victim = 6, 0
     net = Net(n, SecAggParams(threshold=t, weight_scale=1.0))  # k = 5 (complete graph)
     net.setup()
-    net.gen0_public = net.server._keys[victim].public  # type: ignore[attr-defined]
-    net.gen0_cts = dict(net.server._keys[victim].ciphertexts)  # type: ignore[attr-defined]
-    publics = {i: net.server._keys[i].public for i in range(n)}  # round-1 keys of everybody
+    net.gen0_public = net.server.setup.keys[victim].public  # type: ignore[attr-defined]
+    net.gen0_cts = dict(net.server.setup.keys[victim].ciphertexts)  # type: ignore[attr-defined]
+    publics = {i: net.server.setup.keys[i].public for i in range(n)}  # round-1 keys of everybody
     ups = updates(1, n, DIM)
     _, sent = net.uploads(1, ups)
     _, responses = net.unmask()
@@ -150,9 +150,9 @@ def _sampled_round_then_replay(threshold_floor: float, t: int):  # type: ignore[
     params = SecAggParams(threshold=t, weight_scale=1.0)  # k = 7 (complete graph over 8)
     net = Net(n, params, seed=3, threshold_floor=threshold_floor)
     net.setup()
-    net.gen0_public = net.server._keys[victim].public  # type: ignore[attr-defined]
-    net.gen0_cts = dict(net.server._keys[victim].ciphertexts)  # type: ignore[attr-defined]
-    publics = {i: net.server._keys[i].public for i in range(n)}
+    net.gen0_public = net.server.setup.keys[victim].public  # type: ignore[attr-defined]
+    net.gen0_cts = dict(net.server.setup.keys[victim].ciphertexts)  # type: ignore[attr-defined]
+    publics = {i: net.server.setup.keys[i].public for i in range(n)}
     present, absent = [1, 2, 3, 4], [5, 6, 7]
     ups = updates(4, n, DIM)
     _, sent = net.uploads(1, ups, participants=[victim, *present])
@@ -195,10 +195,10 @@ def _serial(net: Net, i: int) -> ClientState:
 def test_generation_memory_survives_state_dict_and_refuses_older_and_equal() -> None:
     net = Net(6, SecAggParams(threshold=3, weight_scale=1.0))
     net.setup()
-    gen0 = net.server._keys[1].public
+    gen0 = net.server.setup.keys[1].public
     net.round(1, updates(1, 6, DIM))
     net.round(2, updates(2, 6, DIM))  # site 1 is now at generation 2
-    gen1 = net.server._keys[1].public
+    gen1 = net.server.setup.keys[1].public
     del gen1
     requests = net.server.begin_round(3, net.server.usable_sites, DIM)
     honest = requests[0]

@@ -50,8 +50,8 @@ def test_several_rounds_reuse_the_epoch_and_rotate_mask_keys() -> None:
         res = f.run_round(ups, W)
         assert res.round == r and res.epoch == 1
         assert np.abs(res.mean - mean(ups, W, list(range(N)))).max() < 1e-6
-        publics.append(f.server._keys[0].public)
-        assert f.server._keys[0].gen == r
+        publics.append(f.server.setup.keys[0].public)
+        assert f.server.setup.keys[0].gen == r
     assert len(set(publics)) == 3  # one mask key per round: a rebuilt key exposes one round
 
 
