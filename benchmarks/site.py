@@ -60,7 +60,7 @@ import numpy as np
 import torch
 from _common import add_common, write_json
 
-from clients.pool import close_pools
+from clients.pools import close_pools
 from clients.site import run_site
 from clients.worker import WorkerJob
 from fedagg.builtin import BuiltinData, BuiltinModel

@@ -46,7 +46,7 @@ from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any
 
-from clients.pool import PoolKey, live_pools, pool_for, task_identity
+from clients.pools import PoolKey, live_pools, pool_for, task_identity
 from clients.site_round import SiteResult, default_device, site_result, with_site
 from clients.worker import WorkerJob
 from fedagg.config import SiteConfig
@@ -194,7 +194,7 @@ class WorkerService:
 
     def close(self) -> None:
         """Stop listening, close every pool, remove the socket (and a generated token)."""
-        from clients.pool import close_pools
+        from clients.pools import close_pools
 
         if self._listener is not None:
             with contextlib.suppress(OSError):

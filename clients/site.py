@@ -11,7 +11,7 @@ Where the workers run:
 
 * ``site.persistent`` (default) and a caller that names the site (the ClientApp passes the
   Flower run id and node id): the site's :class:`~clients.pool.WorkerPool` from the registry
-  of this process (:func:`clients.pool.pool_for`), started at the first round and reused
+  of this process (:func:`clients.pools.pool_for`), started at the first round and reused
   until the run ends -- the workers keep their process group, model, data, reducer layout and
   (``site.keep_optimizer``) optimizer state; a round sends only the global weights and the
   round's settings. (A one-worker site keeps a pool only with ``site.keep_optimizer``.) A
@@ -56,7 +56,7 @@ from __future__ import annotations
 import logging
 import time
 
-from clients.pool import PoolKey, make_pool, pool_for, task_identity
+from clients.pools import PoolKey, make_pool, pool_for, task_identity
 from clients.service import ServiceClient
 from clients.site_round import SiteResult, default_device, site_result, with_site
 from clients.worker import WorkerJob

@@ -28,7 +28,7 @@ from _site_helpers import (
 )
 from _site_tasks import raising_step
 
-from clients.pool import PoolKey, close_pools, live_pools, task_identity
+from clients.pools import PoolKey, close_pools, live_pools, task_identity
 from fedagg.builtin import builtin_task
 from fedagg.errors import WorkerError
 from fedagg.task import Task

@@ -39,7 +39,7 @@ from _site_helpers import (
 )
 from _site_tasks import DATA_CALLS, CountingData
 
-from clients.pool import PoolKey, close_pools, live_pools, task_identity
+from clients.pools import PoolKey, close_pools, live_pools, task_identity
 from fedagg.builtin import builtin_task
 from fedagg.task import Task
 
@@ -236,7 +236,7 @@ _CONTROLLER = textwrap.dedent("""
     import sys, time
     sys.path[:0] = [{site_dir!r}, {root!r}]
     from _site_helpers import initial_weights, run, settings
-    from clients.pool import live_pools
+    from clients.pools import live_pools
     s = settings(site={{"workers": 2, "mode": "process"}})
     run(s, initial_weights(s), owner=(1, 1))
     (pool,) = live_pools().values()

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 from _site_helpers import initial_weights, new_owner, run, settings
 
-from clients.pool import PoolKey, close_pools, live_pools, task_identity
+from clients.pools import PoolKey, close_pools, live_pools, task_identity
 from fedagg.builtin import builtin_task
 
 NOBODY = 65534
