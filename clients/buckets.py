@@ -73,7 +73,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from clients.reducer_comm import BucketComm, CommHook, GradBucket, ReducerStats, allreduce_hook
+from clients.reducer_comm import BucketComm, CommHook, ReducerStats
 from clients.reducer_layout import (
     DEFAULT_FIRST_BUCKET_BYTES,
     Bucket,
@@ -84,8 +84,7 @@ from clients.reducer_layout import (
 from fedagg.collectives import ALGORITHMS, Communicator
 from fedagg.errors import CollectiveError, ConfigError, explain
 
-__all__ = ["COMM_DTYPES", "CommHook", "GradBucket", "GradReducer", "ReducerStats",
-           "allreduce_hook"]
+__all__ = ["COMM_DTYPES", "GradReducer"]
 
 _log = logging.getLogger(__name__)
 

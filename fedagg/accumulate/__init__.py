@@ -28,13 +28,9 @@ from fedagg.accumulate.grid import (
 )
 from fedagg.accumulate.layout import Piece, ShardPlan
 from fedagg.accumulate.retain import DEFAULT_SPILL_BYTES, Retainer
-from fedagg.accumulate.stats import (
-    MEDIAN_MIN_UPDATES,
-    RoundStatistics,
-    delta_norm,
-    median_floor,
-)
+from fedagg.accumulate.stats import RoundStatistics, delta_norm, median_floor
 from fedagg.accumulate.weights import BUCKET_BITS, WeightBuckets
+from fedagg.aggregate import MEDIAN_MIN_UPDATES
 
 __all__ = [
     "BLOCK",

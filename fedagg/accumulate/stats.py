@@ -29,7 +29,7 @@ from fedagg.accumulate.grid import BLOCK, Sparse, TensorUpdate
 from fedagg.aggregate import MEDIAN_MIN_UPDATES, cap_weights, norm_outliers
 from fedagg.errors import ConfigError, explain
 
-__all__ = ["MEDIAN_MIN_UPDATES", "RoundStatistics", "delta_norm", "median_floor"]
+__all__ = ["RoundStatistics", "delta_norm", "median_floor"]
 
 
 def delta_norm(update: Sequence[TensorUpdate],

@@ -33,7 +33,8 @@ from fedagg.collectives.cost import (
     set_default_cost_model,
 )
 from fedagg.collectives.executor import CollectiveStats, execute
-from fedagg.collectives.schedule import Op, Schedule, Transfer, get_schedule
+from fedagg.collectives.schedule import Schedule, get_schedule
+from fedagg.collectives.transfer import Op, Transfer
 
 __all__ = [
     "ALGORITHMS",

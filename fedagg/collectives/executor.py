@@ -39,7 +39,8 @@ from fedagg.collectives.plan import (
     scratch_buffer,
     segments,
 )
-from fedagg.collectives.schedule import Op, Schedule, Transfer
+from fedagg.collectives.schedule import Schedule
+from fedagg.collectives.transfer import Op, Transfer
 
 __all__ = ["CollectiveStats", "execute"]
 

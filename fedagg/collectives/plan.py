@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from fedagg.collectives.communicator import Request
-from fedagg.collectives.schedule import Op, Schedule, Transfer, chunk_bounds
+from fedagg.collectives.schedule import Schedule, chunk_bounds
+from fedagg.collectives.transfer import Op, Transfer
 
 __all__ = [
     "APPLY",

@@ -44,18 +44,14 @@ import numpy as np
 import numpy.typing as npt
 
 from fedagg.collectives.transfer import Op, Transfer
-from fedagg.collectives.trees import _merge, _tree_steps, binary_tree, double_binary_tree
+from fedagg.collectives.trees import double_binary_tree, merge_steps, tree_steps
 from fedagg.errors import ConfigError, explain
 
 __all__ = [
     "SCHEDULED_ALGORITHMS",
-    "Op",
     "Schedule",
-    "Transfer",
-    "binary_tree",
     "chunk_bounds",
     "default_group_size",
-    "double_binary_tree",
     "get_schedule",
     "hierarchical_schedule",
     "ring_schedule",
@@ -274,13 +270,13 @@ def tree_schedule(world_size: int, numel: int) -> Schedule:
     chunks = tuple(chunk_bounds(numel, 2))
     first, second = double_binary_tree(n)
     members = list(range(n))
-    parts = [_tree_steps(first, members, [0], 0), _tree_steps(second, members, [1], 0)]
+    parts = [tree_steps(first, members, [0], 0), tree_steps(second, members, [1], 0)]
     return Schedule(
         "tree",
         n,
         numel,
         chunks,
-        tuple(_merge(parts)),
+        tuple(merge_steps(parts)),
         meta={"parents": (tuple(first), tuple(second))},
     )
 
@@ -328,14 +324,14 @@ def hierarchical_schedule(world_size: int, numel: int, group_size: int | None = 
     start = max(len(grp) for grp in groups) - 1
     leaders = [grp[0] for grp in groups]
     first, second = double_binary_tree(len(leaders))
-    across = [_tree_steps(first, leaders, [0], start), _tree_steps(second, leaders, [1], start)]
+    across = [tree_steps(first, leaders, [0], start), tree_steps(second, leaders, [1], start)]
     start = max((k for p in [up, *across] for k in p), default=-1) + 1
     down: dict[int, list[Transfer]] = {}
     for grp in groups:
         for i in range(len(grp) - 1):
             for c in both:
                 down.setdefault(start + i, []).append(Transfer(grp[i], grp[i + 1], c, Op.COPY))
-    steps = _merge([up, *across, down])
+    steps = merge_steps([up, *across, down])
     return Schedule(
         "hierarchical",
         n,

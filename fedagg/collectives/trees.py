@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fedagg.collectives.transfer import Op, Transfer
 
-__all__ = ["binary_tree", "double_binary_tree"]
+__all__ = ["binary_tree", "double_binary_tree", "merge_steps", "tree_steps"]
 
 
 def binary_tree(size: int) -> list[int]:
@@ -65,7 +65,7 @@ def double_binary_tree(size: int) -> tuple[list[int], list[int]]:
     return first, second
 
 
-def _tree_steps(
+def tree_steps(
     parent: list[int], members: list[int], chunks: list[int], start: int
 ) -> dict[int, list[Transfer]]:
     """Reduce to the root then broadcast, over ``members`` (tree positions -> ranks)."""
@@ -97,7 +97,7 @@ def _tree_steps(
     return out
 
 
-def _merge(parts: list[dict[int, list[Transfer]]]) -> list[tuple[Transfer, ...]]:
+def merge_steps(parts: list[dict[int, list[Transfer]]]) -> list[tuple[Transfer, ...]]:
     keys = sorted({k for p in parts for k in p})
     steps: list[tuple[Transfer, ...]] = []
     for k in keys:

@@ -10,7 +10,7 @@ Public API: :func:`run_local` (one call, in process), :class:`SecAggParams`,
 :class:`RoundResult`.
 """
 
-from fedagg.secagg.client import ClientStage, ClientState
+from fedagg.secagg.client import ClientState
 from fedagg.secagg.local import LocalFederation, deterministic_random_bytes, run_local
 from fedagg.secagg.messages import (
     CIPHERTEXT_BYTES,
@@ -28,7 +28,9 @@ from fedagg.secagg.messages import (
     UnmaskResponse,
 )
 from fedagg.secagg.params import SecAggParams, default_num_neighbours
-from fedagg.secagg.server import RoundResult, ServerStage, ServerState
+from fedagg.secagg.server import ServerState
+from fedagg.secagg.server_sum import RoundResult
+from fedagg.secagg.stages import ClientStage, ServerStage
 
 __all__ = [
     "CIPHERTEXT_BYTES",

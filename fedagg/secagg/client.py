@@ -77,7 +77,7 @@ from fedagg.secagg.params import (
 from fedagg.secagg.stages import ClientStage
 from fedagg.secagg.threads import resolve_threads
 
-__all__ = ["ClientStage", "ClientState"]
+__all__ = ["ClientState"]
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,8 @@ from fedagg.secagg.params import (
     validate_site_floor,
 )
 from fedagg.secagg.prg import keystream
-from fedagg.secagg.server import RoundResult, ServerState
+from fedagg.secagg.server import ServerState
+from fedagg.secagg.server_sum import RoundResult
 
 __all__ = ["LocalFederation", "deterministic_random_bytes", "run_local"]
 

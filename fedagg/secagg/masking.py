@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import numpy as np
 from numpy.typing import NDArray
 
-from fedagg.secagg.prg import CHUNK_WORDS, MaskStream, _check_length
+from fedagg.secagg.prg import CHUNK_WORDS, MaskStream, check_length
 from fedagg.secagg.threads import resolve_threads, run_all
 
 __all__ = ["add_masks", "pairwise_sign"]
@@ -49,7 +49,7 @@ def add_masks(
     if vector.dtype != np.uint32 or vector.ndim != 1 or not vector.flags.c_contiguous:
         raise ValueError("add_masks needs a contiguous 1-D uint32 vector")
     n = int(vector.shape[0])
-    _check_length(n)
+    check_length(n)
     keys = list(signed_keys)
     if not keys or n == 0:
         return

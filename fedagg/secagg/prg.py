@@ -19,7 +19,8 @@ from numpy.typing import NDArray
 
 from fedagg.errors import ProtocolError, explain
 
-__all__ = ["BLOCK_WORDS", "CHUNK_WORDS", "MAX_WORDS", "MaskStream", "keystream", "mask_words"]
+__all__ = ["BLOCK_WORDS", "CHUNK_WORDS", "MAX_WORDS", "MaskStream", "check_length", "keystream",
+           "mask_words"]
 
 _BLOCK_BYTES: Final = 64
 BLOCK_WORDS: Final = _BLOCK_BYTES // 4
@@ -31,7 +32,8 @@ CHUNK_WORDS: Final = 1 << 16
 _ZEROS: Final = bytes(4 * CHUNK_WORDS)  # the "plaintext" of every chunk, allocated once
 
 
-def _check_length(length: int) -> None:
+def check_length(length: int) -> None:
+    """ProtocolError unless ``length`` words fit one key's keystream (:data:`MAX_WORDS`)."""
     if not 0 <= length <= MAX_WORDS:
         raise ProtocolError(
             explain("mask length", length, f"must be in [0, {MAX_WORDS}]", "split the vector")
@@ -104,5 +106,5 @@ def mask_words(key: bytes, length: int) -> NDArray[np.uint32]:
     ProtocolError
         If ``length`` is negative or exceeds one key's keystream (:data:`MAX_WORDS`).
     """
-    _check_length(length)
+    check_length(length)
     return np.frombuffer(keystream(key, 4 * length), dtype="<u4").astype(np.uint32, copy=False)

@@ -65,7 +65,7 @@ from fedagg.secagg.server_sum import RoundResult, UploadSum
 from fedagg.secagg.stages import ServerStage
 from fedagg.secagg.threads import resolve_threads
 
-__all__ = ["RoundResult", "ServerStage", "ServerState"]
+__all__ = ["ServerState"]
 
 logger = logging.getLogger(__name__)
 class ServerState:

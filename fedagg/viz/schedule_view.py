@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from fedagg.collectives.cost import CostModel, get_default_cost_model, predict
-from fedagg.collectives.schedule import SCHEDULED_ALGORITHMS, Op, Schedule, get_schedule
+from fedagg.collectives.schedule import SCHEDULED_ALGORITHMS, Schedule, get_schedule
+from fedagg.collectives.transfer import Op
 from fedagg.errors import ConfigError, explain
 from fedagg.viz.benchmarks import measured_for
 

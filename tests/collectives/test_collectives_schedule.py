@@ -10,15 +10,9 @@ from hypothesis import strategies as st
 from fedagg.collectives import CostModel, choose_algorithm, get_schedule, predict
 from fedagg.collectives.backends.inprocess import run_inprocess
 from fedagg.collectives.cost import calibrate, fit_alpha_beta
-from fedagg.collectives.schedule import (
-    SCHEDULED_ALGORITHMS,
-    Op,
-    Schedule,
-    Transfer,
-    binary_tree,
-    double_binary_tree,
-    hierarchical_schedule,
-)
+from fedagg.collectives.schedule import SCHEDULED_ALGORITHMS, Schedule, hierarchical_schedule
+from fedagg.collectives.transfer import Op, Transfer
+from fedagg.collectives.trees import binary_tree, double_binary_tree
 from fedagg.errors import ConfigError
 
 PRIMES = (2, 3, 5, 7, 11, 13, 97, 101)
