@@ -56,7 +56,7 @@ from fedagg.secagg.keys import (
     pairwise_mask_key,
     self_mask_key,
 )
-from fedagg.secagg.masking import add_masks, pairwise_sign
+from fedagg.secagg.masking import add_masks, canary_slots, pairwise_sign
 from fedagg.secagg.messages import (
     KeyAdvertise,
     KeyAdvertiseRequest,
@@ -275,6 +275,7 @@ class ClientState:
         weight: float,
         *,
         rng: np.random.Generator,
+        binding: bytes | None = None,
     ) -> MaskedUpload:
         """Round exchange 1: encode, double-mask and upload ``update`` with its ``weight``.
 
@@ -288,8 +289,12 @@ class ClientState:
             Number of examples (``0 <= weight <= params.weight_scale``).
         rng : numpy.random.Generator
             Randomness of the stochastic rounding.
+        binding : bytes, optional
+            The round binding of the model this site received
+            (:func:`~fedagg.secagg.keys.round_binding`); the request must name the same, and
+            the masks are derived from it. ``None``: the request's binding.
         """
-        gens, nbrs, pks = self._check_round(request)
+        gens, nbrs, pks = self._check_round(request, binding)
         values = np.asarray(update, dtype=np.float64).reshape(-1)
         if values.size != request.dim:
             raise ProtocolError(explain("update size", values.size, f"must be {request.dim}", "-"))
@@ -317,7 +322,7 @@ class ClientState:
         return frac_bits, ring_bits, weight_q
 
     def handle_round_encoded(
-        self, request: RoundRequest, vector: NDArray[np.uint32]
+        self, request: RoundRequest, vector: NDArray[np.uint32], *, binding: bytes | None = None
     ) -> MaskedUpload:
         """Round exchange 1 for an input the caller has already encoded into the ring.
 
@@ -339,7 +344,7 @@ class ClientState:
             The request fails the checks of :meth:`handle_round`, or ``vector`` is not
             ``request.dim + 1`` ``uint32`` elements.
         """
-        gens, nbrs, pks = self._check_round(request)
+        gens, nbrs, pks = self._check_round(request, binding)
         vec = np.asarray(vector)
         if vec.dtype != np.uint32 or vec.shape != (request.dim + 1,):
             raise ProtocolError(
@@ -353,12 +358,12 @@ class ClientState:
         return self._mask_and_upload(request, vec.copy(), gens, nbrs, pks)
 
     def _check_round(
-        self, request: RoundRequest
+        self, request: RoundRequest, binding: bytes | None
     ) -> tuple[dict[int, int], tuple[int, ...], list[bytes]]:
         """Every precondition of a round, before any secret is touched."""
         stages = (ClientStage.READY, ClientStage.UPLOADED, ClientStage.UNMASKED)
         self._require(stages, request.epoch, "round")
-        return check_round(self.memory, self.params, request)
+        return check_round(self.memory, self.params, request, binding)
 
     def _mask_and_upload(
         self,
@@ -368,8 +373,9 @@ class ClientState:
         nbrs: tuple[int, ...],
         pks: list[bytes],
     ) -> MaskedUpload:
-        """Double-mask ``vector`` (in place), share the self-mask seed, rotate the mask key."""
+        """Append the canary, double-mask, share the self-mask seed, rotate the mask key."""
         _, ring_bits = self.params.encoding_for(len(tuple(request.participants)))
+        vector = np.concatenate([vector, np.zeros(canary_slots(ring_bits), np.uint32)])
         s = self.memory.key("s")
         seed = bytes(self._random_bytes(shamir.SECRET_BYTES))
         signed = [
@@ -392,6 +398,7 @@ class ClientState:
                 round_number=request.round,
                 a=self.site,
                 b=j,
+                binding=request.binding,  # checked equal to the site's own (check_round)
             )
             signed.append((pairwise_sign(self.site, j), key))
         add_masks(vector, signed, threads=self.threads)
@@ -400,8 +407,9 @@ class ClientState:
         next_blob = self._encrypt_shares(
             nxt.secret_bytes(), self.memory.neighbours, ShareKind.MASK_KEY, self.memory.gen + 1
         )
-        self.last_drop_proof = drop_proof(s.secret_bytes(), run_id=self.memory.run_id, epoch=self.memory.epoch,
-                                          site=self.site, gen=self.memory.gen)
+        self.last_drop_proof = drop_proof(s.secret_bytes(), run_id=self.memory.run_id,
+                                          epoch=self.memory.epoch, site=self.site,
+                                          gen=self.memory.gen)
         self.memory.s, self.memory.gen = nxt, self.memory.gen + 1  # the used key is forgotten here
         self.memory.round = request.round
         self.memory.round_gens = gens
@@ -413,7 +421,7 @@ class ClientState:
             self.site,
             self.memory.round,
             len(nbrs),
-            vector.size - 1,
+            request.dim,
         )
         return MaskedUpload(
             site=self.site,

@@ -18,6 +18,7 @@ Bell et al., CCS 2020 (SecAgg+).
 
 from __future__ import annotations
 
+import hmac
 from dataclasses import dataclass
 
 from fedagg.errors import AbortRound, ConfigError, ProtocolError, explain
@@ -111,9 +112,19 @@ def check_share_keys(
 
 
 def check_round(
-    client: SiteMemory, params: SecAggParams, request: RoundRequest
+    client: SiteMemory, params: SecAggParams, request: RoundRequest, binding: bytes | None = None
 ) -> tuple[dict[int, int], tuple[int, ...], list[bytes]]:
-    """The checks of round exchange 1: ``(neighbour generations, neighbours, their s keys)``."""
+    """The checks of round exchange 1: ``(neighbour generations, neighbours, their s keys)``.
+
+    ``binding``: the round binding of the model this site received; the request must name it
+    (a server that sends members different models is refused here when it says so, and
+    otherwise fails the round's canary: the masks are derived from the request's binding).
+    """
+    if binding is not None and not hmac.compare_digest(binding, request.binding):
+        raise ProtocolError(
+            explain("binding", "another model", "the round request names another model than "
+                    "the one this site was sent", "send every participant the same model")
+        )
     if request.round <= client.round:
         raise ProtocolError(
             explain("round", request.round, f"must be > {client.round} (replay?)", "next round")

@@ -36,10 +36,12 @@ __all__ = [
     "CIPHERTEXT_OVERHEAD",
     "KEY_BYTES",
     "NONCE_BYTES",
+    "NO_BINDING",
     "TAG_ADVERTISED_KEYS",
     "TAG_DROP_PROOF",
     "TAG_GRAPH",
     "TAG_PAIRWISE_MASK",
+    "TAG_ROUND_BINDING",
     "TAG_SEED_COMMITMENT",
     "TAG_SELF_MASK",
     "TAG_SHARE_ENCRYPTION",
@@ -55,6 +57,7 @@ __all__ = [
     "encrypt_share",
     "is_canonical_public_key",
     "pairwise_mask_key",
+    "round_binding",
     "self_mask_key",
     "split_keys",
 ]
@@ -68,13 +71,14 @@ _AEAD_TAG_BYTES: Final = 16
 CIPHERTEXT_OVERHEAD: Final = NONCE_BYTES + _AEAD_TAG_BYTES
 
 # Versioned domain-separation tags (RFC 5869 section 3.2: "info" binds a key to its use).
-TAG_PAIRWISE_MASK: Final = b"fedagg/secagg/v1/pairwise-mask"
+TAG_PAIRWISE_MASK: Final = b"fedagg/secagg/v3/pairwise-mask"  # v3: bound to the round's model
 TAG_SELF_MASK: Final = b"fedagg/secagg/v1/self-mask"
 TAG_SHARE_ENCRYPTION: Final = b"fedagg/secagg/v1/share-encryption"
 TAG_GRAPH: Final = b"fedagg/secagg/v2/neighbour-graph"
 TAG_ADVERTISED_KEYS: Final = b"fedagg/secagg/v2/advertised-keys"
 TAG_SEED_COMMITMENT: Final = b"fedagg/secagg/v1/seed-commitment"
 TAG_DROP_PROOF: Final = b"fedagg/secagg/v2/drop-proof"
+TAG_ROUND_BINDING: Final = b"fedagg/secagg/v3/round-binding"
 _AAD_PREFIX: Final = b"fedagg/secagg/v1/share-aad"
 
 
@@ -261,12 +265,27 @@ def derive_key(ikm: bytes, tag: bytes, info_context: bytes, length: int = KEY_BY
 
 
 def pairwise_mask_key(
-    shared: bytes, *, run_id: bytes, epoch: int, round_number: int, a: int, b: int
+    shared: bytes, *, run_id: bytes, epoch: int, round_number: int, a: int, b: int,
+    binding: bytes
 ) -> bytes:
-    """Round key of the pairwise mask between sites ``a`` and ``b`` (symmetric in a, b)."""
+    """Round key of the pairwise mask between sites ``a`` and ``b`` (symmetric in a, b), bound
+    to the round's ``binding`` (:func:`round_binding`: the model both were sent)."""
+    if len(binding) != 32:
+        raise ProtocolError(explain("binding", len(binding), "must be 32 bytes",
+                                    "use round_binding"))
     lo, hi = min(a, b), max(a, b)
     ctx = context(run_id=run_id, epoch=epoch, counter=round_number, first=lo, second=hi)
-    return derive_key(shared, TAG_PAIRWISE_MASK, ctx)
+    return derive_key(shared, TAG_PAIRWISE_MASK, ctx + binding)
+
+
+NO_BINDING: Final = bytes(32)
+"""The binding of a round that names no model (the Flower-free API's default)."""
+
+
+def round_binding(model_digest: bytes) -> bytes:
+    """The 32-byte binding of a round whose participants were all sent the model with
+    ``model_digest`` (e.g. :func:`strategies.wire.model_digest`)."""
+    return hashlib.sha256(TAG_ROUND_BINDING + b"\x00" + model_digest).digest()
 
 
 def self_mask_key(seed: bytes, *, run_id: bytes, epoch: int, round_number: int, site: int) -> bytes:

@@ -20,7 +20,19 @@ from numpy.typing import NDArray
 from fedagg.secagg.prg import CHUNK_WORDS, MaskStream, check_length
 from fedagg.secagg.threads import resolve_threads, run_all
 
-__all__ = ["add_masks", "pairwise_sign"]
+__all__ = ["CANARY_BITS", "add_masks", "canary_slots", "pairwise_sign"]
+
+CANARY_BITS = 64
+"""Bits of the round's canary: a site appends :func:`canary_slots` zeros after its vector;
+pairwise masks that do not cancel (members whose masks are bound to different models, see
+:attr:`fedagg.secagg.messages.RoundRequest.binding`) leave them uniformly random, so an
+unmasked sum whose canary is not zero is refused (false acceptance ``2**-64``)."""
+
+
+def canary_slots(ring_bits: int) -> int:
+    """Zero slots a site appends in a ring of ``ring_bits`` bits (at least :data:`CANARY_BITS`
+    bits in all)."""
+    return -(-CANARY_BITS // ring_bits)
 
 
 def pairwise_sign(site: int, other: int) -> int:

@@ -51,7 +51,7 @@ __all__ = [
     "split_blob",
 ]
 
-PROTOCOL_VERSION: Final = 3
+PROTOCOL_VERSION: Final = 4
 """Wire version: 2 added ``ShareKeysRequest.roster_public`` and the key-mixed graph seed; 3 sends
 id lists, key generations, share rows and masked vectors up to :data:`INLINE_BYTES` as ``bytes``
 of little-endian records, not arrays."""
@@ -379,6 +379,7 @@ class RoundRequest(Message):
         ("neighbours", "ids"),
         ("neighbour_gens", "gens"),
         ("neighbour_s_public", "keys"),
+        ("binding", "digest"),
     )
     COUNTS = (("neighbours", "neighbour_gens"), ("neighbours", "neighbour_s_public"))
     epoch: int
@@ -389,6 +390,11 @@ class RoundRequest(Message):
     neighbours: Ids
     neighbour_gens: Ids
     neighbour_s_public: bytes
+    binding: bytes
+    """What the round's masks are bound to (32 bytes): the digest of the model every
+    participant was sent (:func:`fedagg.secagg.keys.round_binding`). A site derives its
+    pairwise masks from the binding of the model *it* received, so members holding different
+    models have masks that do not cancel; the round's canary then fails."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)

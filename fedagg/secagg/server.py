@@ -35,13 +35,14 @@ from fedagg.errors import AbortRound, ConfigError, ProtocolError, VerificationEr
 from fedagg.secagg import fixed_point, shamir
 from fedagg.secagg.graph import graph_seed, harary_graph
 from fedagg.secagg.keys import (
+    NO_BINDING,
     SecretKey,
     commit_seed,
     drop_proof,
     pairwise_mask_key,
     self_mask_key,
 )
-from fedagg.secagg.masking import add_masks, pairwise_sign
+from fedagg.secagg.masking import add_masks, canary_slots, pairwise_sign
 from fedagg.secagg.messages import (
     KeyAdvertise,
     KeyAdvertiseRequest,
@@ -232,11 +233,15 @@ class ServerState:
 
     # -- round -----------------------------------------------------------------------------
     def begin_round(
-        self, round_number: int, participants: Sequence[int], dim: int
+        self, round_number: int, participants: Sequence[int], dim: int, *,
+        binding: bytes = NO_BINDING,
     ) -> dict[int, RoundRequest]:
         """Open round ``round_number`` (strictly increasing) for ``participants``.
 
-        Returns one RoundRequest per participant. Raises AbortRound when some participant has
+        ``binding``: the round binding of the model every participant is sent
+        (:func:`~fedagg.secagg.keys.round_binding`); the masks are derived from it, so sites
+        sent another model cannot complete the round. Returns one RoundRequest per
+        participant. Raises AbortRound when some participant has
         fewer than ``threshold`` neighbours among the participants (nothing is revealed).
         """
         self._require(ServerStage.READY, "begin_round")
@@ -262,6 +267,8 @@ class ServerState:
             )
         if dim < 1:
             raise ProtocolError(explain("dim", dim, "must be >= 1", "-"))
+        if not isinstance(binding, bytes) or len(binding) != 32:
+            raise ProtocolError(explain("binding", binding, "must be 32 bytes", "round_binding"))
         frac_bits, ring_bits = self.params.encoding_for(len(part))
         self.last_round = round_number
         pset = set(part)
@@ -277,7 +284,8 @@ class ServerState:
                 )
             )
         self.open = RoundBook(round=round_number, participants=part, dim=dim,
-                              frac_bits=frac_bits, ring_bits=ring_bits, nbrs=nbrs)
+                              frac_bits=frac_bits, ring_bits=ring_bits, binding=binding,
+                              nbrs=nbrs)
         self.open.used = {i: (self.setup.keys[i].gen, self.setup.keys[i].public) for i in part}
         self.stage = ServerStage.COLLECTING
         return {
@@ -290,6 +298,7 @@ class ServerState:
                 neighbours=nbrs[i],
                 neighbour_gens=tuple(self.open.used[j][0] for j in nbrs[i]),
                 neighbour_s_public=b"".join(self.open.used[j][1] for j in nbrs[i]),
+                binding=binding,
             )
             for i in part
         }
@@ -301,7 +310,8 @@ class ServerState:
                                                msg, sender)
         i = msg.site
         if self.open.total is None:
-            self.open.total = UploadSum(self.open.dim + 1, self.open.ring_bits, self.threads)
+            self.open.total = UploadSum(self.open.dim + 1 + canary_slots(self.open.ring_bits),
+                                        self.open.ring_bits, self.threads)
         self.open.total.add(msg.masked)
         self.open.uploads.add(i)
         self.open.commitments[i] = msg.b_commitment
@@ -486,12 +496,22 @@ class ServerState:
                         round_number=rnd,
                         a=i,
                         b=j,
+                        binding=self.open.binding,
                     ),
                 )
                 for i in self.open.nbrs[j]
                 if i in self.open.uploads
             ]
             add_masks(total, pair_keys, threads=self.threads)
+        canary = total[self.open.dim + 1:] & np.uint32((1 << self.open.ring_bits) - 1)
+        if canary.any():
+            # masks that did not cancel: members derived them from different models (or a
+            # site sent a malformed upload); nothing of the sum is usable
+            raise AbortRound(explain(
+                f"round {self.open.round}", "canary not zero", "the pairwise masks did not "
+                "cancel: members held different models (or an upload was malformed)",
+                "send every participant the same model; the round is refused"))
+        total = total[:self.open.dim + 1]
         weighted_sum, weight = fixed_point.decode_sum(total, self.open.frac_bits, self.open.ring_bits)
         bound = fixed_point.error_bound(len(counted), weight, self.params.clip, self.open.frac_bits)
         logger.debug("server: round %d unmasked (%d counted)", self.open.round, len(counted))

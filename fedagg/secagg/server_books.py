@@ -75,6 +75,8 @@ class RoundBook:
         Sites asked to upload.
     dim, frac_bits, ring_bits : int
         Values per upload and the round's fixed-point encoding.
+    binding : bytes
+        What the round's masks are bound to (the model's round binding).
     nbrs : dict of int to tuple of int
         Each participant's neighbours among the participants.
     used : dict of int to (int, bytes)
@@ -102,6 +104,7 @@ class RoundBook:
     dim: int = 0
     frac_bits: int = 0
     ring_bits: int = 0
+    binding: bytes = bytes(32)
     nbrs: dict[int, Ids] = field(default_factory=dict)
     used: dict[int, tuple[int, bytes]] = field(default_factory=dict)
     uploads: set[int] = field(default_factory=set)

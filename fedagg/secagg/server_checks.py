@@ -19,6 +19,7 @@ import numpy as np
 from fedagg.errors import ProtocolError, explain
 from fedagg.secagg import packing
 from fedagg.secagg.keys import check_public_key
+from fedagg.secagg.masking import canary_slots
 from fedagg.secagg.messages import (
     KeyAdvertise,
     MaskedUpload,
@@ -91,13 +92,14 @@ def check_upload(
     i = msg.site
     if i not in book.used or i in book.uploads:
         raise ProtocolError(explain("site", i, "not a participant, or duplicate", "drop it"))
-    words = packing.packed_words(book.dim + 1, book.ring_bits)
+    slots = book.dim + 1 + canary_slots(book.ring_bits)
+    words = packing.packed_words(slots, book.ring_bits)
     if msg.masked.shape != (words,) or msg.masked.dtype != np.uint32:
         raise ProtocolError(
             explain(
                 "masked",
                 msg.masked.shape,
-                f"need {words} uint32 words ({book.dim + 1} values of {book.ring_bits} bits)",
+                f"need {words} uint32 words ({slots} values of {book.ring_bits} bits)",
                 "-",
             )
         )

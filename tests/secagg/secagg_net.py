@@ -24,8 +24,8 @@ from fedagg.secagg import (
     fixed_point,
     packing,
 )
-from fedagg.secagg.keys import SecretKey, pairwise_mask_key, self_mask_key
-from fedagg.secagg.masking import add_masks, pairwise_sign
+from fedagg.secagg.keys import NO_BINDING, SecretKey, pairwise_mask_key, self_mask_key
+from fedagg.secagg.masking import add_masks, canary_slots, pairwise_sign
 
 Hook = Callable[[int, Any], Any]  # (site, message) -> message to deliver, or None to drop it
 
@@ -180,12 +180,13 @@ def unmask_one(
     """What a server holding ``b_i`` and ``s_i`` of one upload computes: the site's update."""
     frac_bits, bits = net.params.encoding_for(num_participants)
     i, rnd, epoch = upload.site, upload.round, upload.epoch
-    vector = packing.unpack(upload.masked, dim + 1, bits)
+    vector = packing.unpack(upload.masked, dim + 1 + canary_slots(bits), bits)
     keys = [(-1, self_mask_key(seed, run_id=net.run_id, epoch=epoch, round_number=rnd, site=i))]
     for j, pk in neighbour_publics.items():
         shared = key.exchange(pk)
-        k = pairwise_mask_key(shared, run_id=net.run_id, epoch=epoch, round_number=rnd, a=i, b=j)
+        k = pairwise_mask_key(shared, run_id=net.run_id, epoch=epoch, round_number=rnd, a=i, b=j,
+                              binding=NO_BINDING)
         keys.append((-pairwise_sign(i, j), k))
     add_masks(vector, keys, threads=1)
-    weighted, weight = fixed_point.decode_sum(vector, frac_bits, bits)
+    weighted, weight = fixed_point.decode_sum(vector[:dim + 1], frac_bits, bits)
     return np.asarray(weighted / weight)

@@ -168,7 +168,7 @@ def _samples() -> list:  # type: ignore[type-arg]
     return [
         KeyAdvertise(site=1, epoch=2, c_public=b"c" * 32, s_public=b"s" * 32),
         ShareKeys(site=1, epoch=2, gen=0, recipients=(2, 3), ciphertexts=b"x" * 136),
-        RoundRequest(1, 4, (0, 1, 2), 10, 3, (0, 2), (3, 1), b"k" * 64),
+        RoundRequest(1, 4, (0, 1, 2), 10, 3, (0, 2), (3, 1), b"k" * 64, bytes(32)),
         MaskedUpload(
             1,
             1,

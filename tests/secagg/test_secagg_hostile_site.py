@@ -227,7 +227,7 @@ def _samples() -> list[Any]:
         KeyAdvertise(1, 2, pk, pk),
         ShareKeysRequest(2, (0, 1, 2), (0, 2), pk * 2, pk * 6),
         ShareKeys(1, 2, 0, (0, 2), b"x" * 2 * CIPHERTEXT_BYTES),
-        RoundRequest(1, 4, (0, 1, 2), 10, 3, (0, 2), (3, 1), pk * 2),
+        RoundRequest(1, 4, (0, 1, 2), 10, 3, (0, 2), (3, 1), pk * 2, bytes(32)),
         MaskedUpload(1, 1, 4, np.arange(11, dtype=np.uint32), bytes(32), (0, 2),
                      b"c" * 2 * CIPHERTEXT_BYTES, 4, pk, (0, 2), b"n" * 2 * CIPHERTEXT_BYTES),
         UnmaskRequest(1, 4, (0,), b"c" * CIPHERTEXT_BYTES, (2,), (3,), b"s" * CIPHERTEXT_BYTES),

@@ -63,23 +63,30 @@ def test_secret_key_redacts_repr_and_refuses_pickle() -> None:
 
 def test_hkdf_derivations_match_rfc5869_with_documented_info() -> None:
     ikm = bytes(range(32))
-    got = keys.pairwise_mask_key(ikm, run_id=b"run", epoch=1, round_number=2, a=5, b=3)
-    info = b"fedagg/secagg/v1/pairwise-mask\x00" + ctx(b"run", 0, 1, 2, 3, 5)
+    bind = keys.round_binding(b"model digest")
+    assert bind == hashlib.sha256(b"fedagg/secagg/v3/round-binding\x00model digest").digest()
+    got = keys.pairwise_mask_key(ikm, run_id=b"run", epoch=1, round_number=2, a=5, b=3,
+                                 binding=bind)
+    info = b"fedagg/secagg/v3/pairwise-mask\x00" + ctx(b"run", 0, 1, 2, 3, 5) + bind
     assert got == naive_hkdf(ikm, info)
+    other = keys.pairwise_mask_key(ikm, run_id=b"run", epoch=1, round_number=2, a=5, b=3,
+                                   binding=keys.round_binding(b"another model"))
+    assert other != got  # another model, other masks
     got = keys.self_mask_key(ikm, run_id=b"run", epoch=1, round_number=2, site=3)
     assert got == naive_hkdf(ikm, b"fedagg/secagg/v1/self-mask\x00" + ctx(b"run", 0, 1, 2, 3, 3))
 
 
 def test_hkdf_golden_values() -> None:
-    pair = keys.pairwise_mask_key(bytes(32), run_id=b"run", epoch=1, round_number=2, a=3, b=5)
-    assert pair.hex() == "220b0e206c66cc28910e001c31fe760cd7f82f5c112b0a7653744e1e8b9009ad"
+    pair = keys.pairwise_mask_key(bytes(32), run_id=b"run", epoch=1, round_number=2, a=3, b=5,
+                                  binding=keys.NO_BINDING)
+    assert pair.hex() == "10b4b298ed51a06a264baf73ef766ee699031cefdaabb0412be579b7b2cd16a5"
     own = keys.self_mask_key(bytes(32), run_id=b"run", epoch=1, round_number=2, site=3)
     assert own.hex() == "95ed668c93c6b9b0a72e482edbc789ac1186bc66a1360650aacac6ebe6d4fbc4"
 
 
 def test_domain_separation_every_context_field_matters() -> None:
     ikm = b"\x07" * 32
-    base = dict(run_id=b"r", epoch=1, round_number=1, a=1, b=2)
+    base = dict(run_id=b"r", epoch=1, round_number=1, a=1, b=2, binding=keys.NO_BINDING)
     ref = keys.pairwise_mask_key(ikm, **base)  # type: ignore[arg-type]
     assert keys.pairwise_mask_key(ikm, **{**base, "a": 2, "b": 1}) == ref  # type: ignore[arg-type]
     variants = [
@@ -87,6 +94,7 @@ def test_domain_separation_every_context_field_matters() -> None:
         {**base, "epoch": 2},
         {**base, "round_number": 2},
         {**base, "a": 0},
+        {**base, "binding": keys.round_binding(b"another model")},
     ]
     outs = {keys.pairwise_mask_key(ikm, **v) for v in variants}  # type: ignore[arg-type]
     assert ref not in outs and len(outs) == len(variants)

@@ -21,6 +21,7 @@ from fedagg.secagg import (
 )
 from fedagg.secagg import shamir as shamir_mod
 from fedagg.secagg.keys import SecretKey
+from fedagg.secagg.masking import canary_slots
 
 
 def chi2_top_byte(words: np.ndarray) -> float:
@@ -59,8 +60,9 @@ def test_single_masked_upload_is_uniform(ring_bits: int | None) -> None:
     assert bits == (ring_bits or bits) and bits <= 32
     req = server.begin_round(1, range(3), dim)[0]
     upload = clients[0].handle_round(req, np.zeros(dim), 1.0, rng=np.random.default_rng(0))
-    assert upload.masked.shape == (packing.packed_words(dim + 1, bits),)
-    values = packing.unpack(upload.masked, dim + 1, bits)
+    slots = dim + 1 + canary_slots(bits)  # values, weight, the round's canary
+    assert upload.masked.shape == (packing.packed_words(slots, bits),)
+    values = packing.unpack(upload.masked, slots, bits)
     assert int(values.max()) < 2**bits
     assert chi2_top_byte(_top_byte_values(values, bits)) < CHI2_LIMIT
     assert chi2_top_byte(upload.masked) < CHI2_LIMIT  # the wire words too
@@ -91,7 +93,7 @@ def test_pairwise_masks_cancel_only_with_all_survivors() -> None:
     dim = 100_000
     f.run_round([np.zeros(dim)] * 4, [1.0] * 4)
     bits = f.params.encoding_for(4)[1]
-    partial = np.zeros(dim + 1, np.uint32)
+    partial = np.zeros(dim + 1 + canary_slots(bits), np.uint32)
     for words in captured[:3]:
         packing.add_unpacked(partial, words, bits)
     partial &= np.uint32((1 << bits) - 1) if bits < 32 else np.uint32(2**32 - 1)

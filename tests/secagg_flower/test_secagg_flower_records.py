@@ -13,6 +13,7 @@ from fedagg.config import SecAggConfig, load_config
 from fedagg.errors import ConfigError, ProtocolError
 from fedagg.secagg import (
     INLINE_BYTES,
+    PROTOCOL_VERSION,
     ClientState,
     KeyAdvertise,
     KeyAdvertiseRequest,
@@ -163,11 +164,11 @@ def test_hostile_bytes_records_raise_protocol_error_naming_the_field(field: str,
         unpack(content, MaskedUpload)
 
 
-def test_a_version_2_message_is_refused_naming_both_versions() -> None:
+def test_an_older_version_message_is_refused_naming_both_versions() -> None:
     msg = KeyAdvertise(site=1, epoch=1, c_public=b"a" * 32, s_public=b"b" * 32)
     content = pack(RecordDict(), msg)
-    content.config_records[CONFIG_KEY]["secagg_version"] = 2
-    with pytest.raises(ProtocolError, match="expected version 3"):
+    content.config_records[CONFIG_KEY]["secagg_version"] = PROTOCOL_VERSION - 1
+    with pytest.raises(ProtocolError, match=f"expected version {PROTOCOL_VERSION}"):
         unpack(content, KeyAdvertise)
 
 
