@@ -319,12 +319,13 @@ def run(args: argparse.Namespace) -> tuple[list[Track], dict[str, Any]]:
             t.seconds.append(time.perf_counter() - t0)
             if res.arrays is not None:
                 t.arrays = res.arrays
-            t.rejected += len(res.rejected) + res.failures
-            if res.rejected and not t.first_rejection:
-                t.first_rejection = next(iter(res.rejected.values()))[:300]
-            n = max(res.replies, 1)
-            t.up_per_site.append(res.bytes_up / n)
-            t.down_per_site.append(res.bytes_down / max(res.sampled, 1))
+            rep = res.report
+            t.rejected += len(rep.refused) + rep.failures
+            if rep.refused and not t.first_rejection:
+                t.first_rejection = next(iter(rep.refused.values()))[:300]
+            n = max(rep.replies, 1)
+            t.up_per_site.append(rep.bytes_up / n)
+            t.down_per_site.append(rep.bytes_down / max(rep.sampled, 1))
             t.acc.append(accuracy(t.arrays))
         print(f"round {rnd}/{args.rounds} done, {time.perf_counter() - t_start:.0f} s: "
               + ", ".join(f"{t.variant.key}={t.acc[-1]:.3f}" for t in live if t.acc), flush=True)

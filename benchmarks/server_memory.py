@@ -217,7 +217,7 @@ def aggregate(method: str, shapes: list[tuple[int, ...]], n: int,
             del msg
         return
     record, _ = strategy.aggregate_train(1, replies(shapes, n, clock))  # configured by run_case
-    assert record is not None and not strategy.last_rejected, strategy.last_rejected
+    assert record is not None and not strategy.report.refused, strategy.report.refused
     del record
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, machine
+from _common import ROOT, machine, write_json
 
 RESULTS = ROOT / "docs" / "results" / "summary.json"
 PAGE = ROOT / "docs" / "benchmarks.md"
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(table(entries))
     if a.json is not None:  # the CI smoke test's record
-        a.json.write_text(json.dumps({"results": entries}, indent=1))
+        write_json(a.json, entries, argv)
     if not a.smoke:
         RESULTS.write_text(json.dumps(entries, indent=1) + "\n")
         write_page(entries)

@@ -48,7 +48,7 @@ from clients.worker import WorkerJob
 from fedagg.builtin import builtin_task
 from fedagg.errors import DataError, ProtocolError, explain
 from fedagg.task import EvalContext, SiteData, Task, fetch, set_weights
-from strategies.wire import arrays_to_record, record_to_arrays
+from strategies.wire import SECAGG_WIRE, arrays_to_record, record_to_arrays
 
 __all__ = ["TaskSource", "app", "make_client_app"]
 
@@ -176,8 +176,8 @@ def make_client_app(task: TaskSource = None, *, mods: Sequence[Mod] = ()) -> Cli
     def refuse_v1(msg: Message, context: Context) -> Message:
         raise ProtocolError(explain(
             "message type", msg.metadata.message_type,
-            "is fedagg 0.1's secure-aggregation wire (version 1); this site speaks version 2, "
-            "where every stage is a train message", "run the same fedagg version on the server "
+            "is fedagg 0.1's secure-aggregation wire (version 1); this site speaks version "
+            f"{SECAGG_WIRE}, where every stage is a train message", "run the same fedagg version on the server "
             "and the sites"))
 
     @client_app.query("warmup")

@@ -25,7 +25,7 @@ from fedagg.errors import ProtocolError, RunFailed
 from fedagg.secagg import SecAggParams
 from server.inprocess import InProcessGrid
 from server.runner import run_server
-from strategies.wire import Instruction, params_from_record, params_to_record
+from strategies.wire import SECAGG_WIRE, Instruction, params_from_record, params_to_record
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -69,7 +69,7 @@ def test_fedagg_0_1_wire_is_refused_with_both_versions_named() -> None:
         Instruction.from_record(old_instruction)
     old_params = params_to_record(SecAggParams(threshold=2), 0)
     old_params["wire"] = 1
-    with pytest.raises(ProtocolError, match=r"wire = 1.*version 2"):
+    with pytest.raises(ProtocolError, match=rf"wire = 1.*version {SECAGG_WIRE}"):
         params_from_record(old_params)
     # a 0.1 server's setup message (query.secagg_advertise) gets a clear error reply
     grid = InProcessGrid(make_client_app(), 1)
@@ -77,7 +77,7 @@ def test_fedagg_0_1_wire_is_refused_with_both_versions_named() -> None:
                   "query.secagg_advertise")
     reply = next(iter(grid.send_and_receive([msg])))
     assert reply.has_error() and "version 1" in reply.error.reason
-    assert "speaks version 2" in reply.error.reason
+    assert f"speaks version {SECAGG_WIRE}" in reply.error.reason
 
 
 def test_a_run_that_aggregates_nothing_fails_loudly_with_each_rounds_reasons(

@@ -34,6 +34,7 @@ from fedagg.errors import WorkerError
 from fedagg.task import Task
 
 TOL = 1e-5
+LONG_TOL = 1e-3  # 140 steps of float32 in another summation order (see below)
 
 
 def _fault(kind: str, rank: int = 1, *, step: int = 2) -> dict[str, object]:
@@ -57,9 +58,12 @@ def test_sigkill_one_of_three_workers_mid_round() -> None:
     """The issue's drill: SIGKILL (by PID, from outside) one of 3 worker processes mid-round."""
     owner = new_owner()
     site = {"workers": 3, "mode": "process", "worker_timeout": 60.0}
-    long = {"local_epochs": 10}  # 140 steps: long enough to be hit in the middle, short
-    # enough that float32 summation order stays below 1e-5 (it grows with steps: SGD with
-    # momentum is chaotic; 25 epochs here already differ by 2e-2 between 1 and 2 workers)
+    long = {"local_epochs": 10}  # 140 steps: long enough to be hit in the middle
+    # float32 summation order differs between 2 workers and 1 and the difference grows with the
+    # steps (SGD with momentum is chaotic: 25 epochs here already differ by 2e-2); at 140 steps
+    # it has been seen from 1e-6 up to 3e-4, so the redone round is held to LONG_TOL. A redo
+    # that lost or double-counted the victim's shard trains on other examples (num_examples
+    # below checks the count too) and differs far more.
     w = initial_weights(settings())
     run(settings(site=site), w, owner=owner)  # round 1: start the pool
     pool = _pool(owner)
@@ -88,7 +92,7 @@ def test_sigkill_one_of_three_workers_mid_round() -> None:
     assert m["workers"] == 2 and m["workers_lost"] == 1 and m["round_attempts"] == 2, m
     assert m["workers_configured"] == 3 and m["redo_seconds"] > 0
     one = train_single(settings(server_round=2, train=long), w)
-    assert delta_rel_diff(res.weights, one.weights, w) < TOL  # type: ignore[attr-defined]
+    assert delta_rel_diff(res.weights, one.weights, w) < LONG_TOL  # type: ignore[attr-defined]
     assert res.num_examples == one.num_examples  # type: ignore[attr-defined]
     assert victim not in pool.pids() and len(pool.pids()) == 2
     # round 3 runs with 3 workers again: the lost one is replaced, the survivors kept
