@@ -51,6 +51,7 @@ from fedagg.secagg import (
     UnmaskRequest,
 )
 from fedagg.secagg import Message as SecAggMessage
+from fedagg.secagg.keys import round_binding
 from fedagg.update import (
     SecAggMasker,
     SiteUpload,
@@ -62,17 +63,19 @@ from fedagg.update import (
 )
 from strategies.wire import (
     CARRY_KEY,
+    FEDAGG_RECORDS,
     INSTRUCTION_KEY,
     PARAMS_KEY,
     PREVIOUS_KEY,
     REPLY_KEY,
-    SECAGG_KEYS,
     VOTES_KEY,
     CarryRequest,
     Instruction,
     arrays_to_record,
     dict_from_records,
     dict_to_records,
+    model_digest,
+    model_key,
     pack,
     params_from_record,
     payload_record,
@@ -104,7 +107,6 @@ PREV_KEY = "fedagg.previous-global"
 STATE_KEY = "fedagg.compression-state"
 SECAGG_STATE_CONFIG = "fedagg.secagg-state"
 SECAGG_STATE_ARRAYS = "fedagg.secagg-state-arrays"
-_FEDAGG_RECORDS = (INSTRUCTION_KEY, PREVIOUS_KEY, VOTES_KEY, CARRY_KEY, *SECAGG_KEYS)
 
 CallNext = Callable[[Message, Context], Message]
 StageHook = Callable[[str], None]
@@ -145,6 +147,9 @@ class FedaggRound:
     previous: list[np.ndarray] | None = None
     votes: tuple[int, np.ndarray] | None = None
     carry: CarryRequest | None = None
+    digest: bytes = b""
+    """Secure upload rounds: :func:`strategies.wire.model_digest` of the model record as
+    received (what the round's masks are bound to)."""
 
     @property
     def secure(self) -> bool:
@@ -163,17 +168,6 @@ class FedaggRound:
             return UploadSpec.parse("none", secure=self.secure)
         return UploadSpec.parse(instr.up, support=instr.support, down=instr.down,
                                 secure=self.secure)
-
-
-def _model_key(content: RecordDict) -> str:
-    recs = [k for k in content.array_records if k not in _FEDAGG_RECORDS]
-    if "arrays" in recs:
-        return "arrays"
-    if len(recs) != 1:
-        raise ProtocolError(explain("train message array_records", sorted(recs),
-                                    "must hold the global model (one ArrayRecord, e.g. 'arrays')",
-                                    "send the model as ArrayRecord 'arrays'"))
-    return recs[0]
 
 
 def parse_round(msg: Message) -> FedaggRound | None:
@@ -195,7 +189,7 @@ def parse_round(msg: Message) -> FedaggRound | None:
     site, params, stage = params_from_record(prec) if prec is not None else (None, None, None)
     if stage is not None and stage != "upload":
         return FedaggRound(instr, site, params, stage, None, [], [])
-    key = _model_key(content)
+    key = model_key(content)
     keys, arrays = record_to_arrays(content.array_records[key])
     sent = decode_down(arrays, instr.down, instr.down_encoded) if instr is not None else arrays
     previous = None
@@ -211,12 +205,14 @@ def parse_round(msg: Message) -> FedaggRound | None:
         votes = (instr.votes_round, votes_from_record(content.array_records[VOTES_KEY]))
     crec = content.config_records.get(CARRY_KEY) if params is not None else None
     carry = CarryRequest.from_record(crec) if crec is not None else None
-    return FedaggRound(instr, site, params, stage, key, keys, sent, previous, votes, carry)
+    digest = model_digest(content.array_records[key]) if params is not None else b""
+    return FedaggRound(instr, site, params, stage, key, keys, sent, previous, votes, carry,
+                       digest)
 
 
 def clean_message(msg: Message, rnd: FedaggRound) -> Message:
     """The message a plain train handler sees: no fedagg records, the model as decoded."""
-    content = RecordDict({k: v for k, v in msg.content.items() if k not in _FEDAGG_RECORDS})
+    content = RecordDict({k: v for k, v in msg.content.items() if k not in FEDAGG_RECORDS})
     instr = rnd.instruction
     if rnd.model_key is not None and instr is not None and instr.down_encoded:
         content[rnd.model_key] = arrays_to_record(rnd.sent, rnd.keys)
@@ -312,7 +308,8 @@ def answer_carry(msg: Message, context: Context, rnd: FedaggRound,
         on_stage("upload")
     values, weight = carry.take(context, rnd.carry, sum(int(a.size) for a in rnd.sent))
     state = _load(context, rnd.site, rnd.params)
-    mask = SecAggMasker(state, unpack(msg.content, RoundRequest), rng=np.random.default_rng())
+    mask = SecAggMasker(state, unpack(msg.content, RoundRequest), rng=np.random.default_rng(),
+                        binding=round_binding(rnd.digest))
     masked = mask(np.concatenate([values, metric_values({})]), weight)  # no metrics carried
     _save(context, state)
     return _reply(msg, masked)
@@ -381,7 +378,7 @@ def encode_reply(msg: Message, ctx: Context, rnd: FedaggRound, trained: list[np.
         state = _load(ctx, rnd.site, rnd.params)
         # stochastic rounding from an unseeded generator, as it must be in deployment
         mask = SecAggMasker(state, unpack(msg.content, RoundRequest),
-                            rng=np.random.default_rng())
+                            rng=np.random.default_rng(), binding=round_binding(rnd.digest))
 
     rng = _site_rng(ctx, instr) if instr is not None else np.random.default_rng()
     residual = _residual(ctx, spec, ns)

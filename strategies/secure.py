@@ -45,7 +45,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +63,7 @@ from fedagg.secagg import (
     ServerState,
     UnmaskResponse,
 )
+from fedagg.secagg.keys import round_binding
 from fedagg.secagg.params import check_site_floor
 from fedagg.update import MaskedLayout, RoundDecoder, SupportHistory, UploadSpec, masked_layout
 from strategies.compressed import Compressed
@@ -78,6 +79,8 @@ from strategies.wire import (
     Instruction,
     SiteIndex,
     arrays_to_record,
+    model_digest,
+    model_key,
     record_to_arrays,
     votes_record,
 )
@@ -86,6 +89,29 @@ from strategies.wrapper import StrategyWrapper, inner_aggregate, is_linear, reco
 __all__ = ["SecureAggregation"]
 
 _log = logging.getLogger(__name__)
+
+
+def _one_model(messages: Sequence[Message]) -> bytes:
+    """The digest of the one model every message sends (the round's masks are bound to it).
+
+    Raises
+    ------
+    ConfigError
+        The inner strategy sends different models to different sites: a secure round sums
+        updates from one model.
+    """
+    seen: dict[int, bytes] = {}
+    for m in messages:
+        record = m.content.array_records[model_key(m.content)]
+        if id(record) not in seen:
+            seen[id(record)] = model_digest(record)
+    digests = set(seen.values())
+    if len(digests) != 1:
+        raise ConfigError(explain(
+            "secure round", f"{len(digests)} different models",
+            "every participant of a secure round is sent the same model (the masks are bound "
+            "to it)", "use an inner strategy that sends one global model"))
+    return digests.pop()
 
 
 @dataclass
@@ -330,9 +356,10 @@ class SecureAggregation(StrategyWrapper):
         self.report.add_time("configure", time.perf_counter() - t_start)
         try:
             self._support(dim)
+            binding = round_binding(_one_model(inner_msgs))
             requests = self.keys.open_round(grid, nodes, site_of,
                                             lambda n: self._layout(dim, n).dim, round_config,
-                                            group, self.report)
+                                            group, self.report, binding)
         except ConfigError as exc:
             if "clients.fedagg_mod" in str(exc):
                 raise  # the sites cannot take part at all: stop before any round trains

@@ -29,6 +29,7 @@ from flwr.serverapp import Grid
 from fedagg.config import SecAggConfig
 from fedagg.errors import AbortRound, ConfigError, explain
 from fedagg.secagg import KeyAdvertise, SecAggParams, ServerState, ShareKeys
+from fedagg.secagg.keys import NO_BINDING
 from strategies.secure_exchange import SiteExchange
 from strategies.secure_params import resolve_params
 from strategies.update import RoundReport
@@ -179,11 +180,12 @@ class KeySetup:
 
     def open_round(self, grid: Grid, nodes: Sequence[int], site_of: dict[int, int],
                    dim: int | Callable[[int], int], config: ConfigRecord, group: str,
-                   report: RoundReport) -> dict[int, Any]:
+                   report: RoundReport, binding: bytes = NO_BINDING) -> dict[int, Any]:
         """Re-key when needed and open the round; returns ``{site: RoundRequest}``.
 
         ``dim`` is the masked length, or a function of the number of participants (the vote
-        counters' packing depends on it).
+        counters' packing depends on it); ``binding``: the round binding of the model every
+        participant is sent (:func:`fedagg.secagg.keys.round_binding`).
         """
         server = self.server
         assert server is not None
@@ -203,7 +205,8 @@ class KeySetup:
             self._counter += 1
             try:
                 return server.begin_round(self._counter, part,
-                                          dim if isinstance(dim, int) else dim(len(part)))
+                                          dim if isinstance(dim, int) else dim(len(part)),
+                                          binding=binding)
             except (AbortRound, ConfigError):
                 # Some participant has < t neighbours among the sampled sites (sparse graph
                 # over a larger roster), or the epoch's t does not fit a round this size: key

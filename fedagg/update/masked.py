@@ -110,15 +110,20 @@ class SecAggMasker:
         The server's round request.
     rng : numpy.random.Generator
         Randomness of the stochastic rounding (an unseeded generator in deployment).
+    binding : bytes, optional
+        The round binding of the model this site received
+        (:func:`fedagg.secagg.keys.round_binding`): the request must name it.
     """
 
     def __init__(self, state: ClientState, request: RoundRequest, *,
-                 rng: np.random.Generator) -> None:
+                 rng: np.random.Generator, binding: bytes | None = None) -> None:
         self.state, self.request, self.rng = state, request, rng
+        self.binding = binding
 
     def __call__(self, values: NDArray[np.float64], weight: float) -> MaskedUpload:
         """``ClientState.handle_round``: fixed-point encode, mask, share."""
-        return self.state.handle_round(self.request, values, weight, rng=self.rng)
+        return self.state.handle_round(self.request, values, weight, rng=self.rng,
+                                       binding=self.binding)
 
     def encoding(self, weight: float) -> RingEncoding:
         """``ClientState.round_encoding`` of the request, with the clip and the site count."""
@@ -128,7 +133,7 @@ class SecAggMasker:
 
     def mask_encoded(self, vector: NDArray[np.uint32]) -> MaskedUpload:
         """``ClientState.handle_round_encoded``: mask the ring vector as given."""
-        return self.state.handle_round_encoded(self.request, vector)
+        return self.state.handle_round_encoded(self.request, vector, binding=self.binding)
 
 
 @dataclass(frozen=True)

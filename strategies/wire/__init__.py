@@ -28,6 +28,7 @@ from strategies.wire.arrays import (
     safe_numpy,
 )
 from strategies.wire.carry import CARRY_KEY, CarryRequest
+from strategies.wire.model import FEDAGG_RECORDS, model_digest, model_key
 from strategies.wire.secagg import (
     ARRAYS_KEY,
     CONFIG_KEY,
@@ -62,6 +63,7 @@ __all__ = [
     "ARRAYS_KEY",
     "CARRY_KEY",
     "CONFIG_KEY",
+    "FEDAGG_RECORDS",
     "INSTRUCTION_KEY",
     "PARAMS_KEY",
     "PAYLOAD_KEY",
@@ -82,6 +84,8 @@ __all__ = [
     "dict_to_records",
     "message_nbytes",
     "messages_nbytes",
+    "model_digest",
+    "model_key",
     "npy_record",
     "numpy_array",
     "pack",

@@ -54,8 +54,10 @@ ARRAYS_KEY = "secagg-arrays"
 PARAMS_KEY = "secagg-params"
 SECAGG_KEYS = (CONFIG_KEY, ARRAYS_KEY, PARAMS_KEY)
 
-SECAGG_WIRE = 3
-"""Version of the secure-aggregation records. 3: a dense or public-support upload carries the
+SECAGG_WIRE = 4
+"""Version of the secure-aggregation records. 4: the masks are bound to the model the round
+sent (``RoundRequest.binding``: the round binding of :func:`strategies.wire.model_digest` of
+the model record; a canary after the values); 3: a dense or public-support upload carries the
 site's metric slots (``fedagg.update.SECURE_METRICS``: the train loss, masked) after its values;
 2: every exchange is a ``train`` message and the stage is named in :data:`PARAMS_KEY` (so a
 stock ClientApp with the fedagg mod answers them); 1 (fedagg 0.1): setup and unmask were
