@@ -137,8 +137,10 @@ class AsynchronousConfig(_Section):
     )
     buffer_size: int = Field(
         10, ge=1,
-        description="FedBuff's K: updates folded before the buffer is applied (secure: the "
-        "cohort size, <= concurrency).",
+        description="FedBuff's K: updates folded before the buffer is applied, at most one per "
+        "site (a site gets one job per buffer; a buffer fewer than K sites can fill is applied "
+        "once every connected site has replied; K = run.sites waits for every site); secure: "
+        "the cohort size, <= concurrency.",
     )
     weighting: Literal["examples", "uniform"] = Field(
         "examples",
@@ -164,11 +166,12 @@ class AsynchronousConfig(_Section):
     guard_window: int = Field(
         DEFAULT_GUARD_WINDOW, ge=MEDIAN_MIN_UPDATES, le=100_000,
         description="Median-relative guards of the asynchronous loop: an arriving update is "
-        "judged against the delta norms and weights of the last N accepted updates (with "
-        "itself: a round of N + 1, as strategy.norm_outlier_factor / strategy.max_weight_ratio "
-        "judge a synchronous round) before it is folded; the guards act once "
-        f"{MEDIAN_MIN_UPDATES} are in. "
-        "Secure cohorts: the norm guard on the cohort's sum only.",
+        "judged against the delta norms and weights of the latest accepted update of each of "
+        "the last N sites, its own site's left out (with itself: a round of one update per "
+        "site, as strategy.norm_outlier_factor / strategy.max_weight_ratio judge a synchronous "
+        "round) before it is folded; the guards act once that round has "
+        f"{MEDIAN_MIN_UPDATES} updates. "
+        "Secure cohorts: the norm guard on the cohort's sum only, each cohort an entry.",
     )
     deadline: float = Field(
         60.0, gt=0,

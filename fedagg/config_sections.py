@@ -227,9 +227,34 @@ class StrategyConfig(_Section):
     )
     stream_retain: int = Field(
         2, ge=0, le=1000,
-        description="Updates kept per criterion (the largest delta norms and weights; on "
-        "disk from 16 MiB) so that the median-relative guards can correct the streamed sum "
-        "exactly; a round needing more corrections is not committed. 0 = keep none.",
+        description="Fewest updates kept per criterion (the largest delta norms and weights; "
+        "on disk from 16 MiB) so that the median-relative guards can correct the streamed sum "
+        "exactly; a round needing more corrections is not committed. The round keeps "
+        "max(stream_retain, ceil(strategy.hostile_fraction x sites sampled)).",
+    )
+    hostile_fraction: float = Field(
+        0.25, ge=0.0, lt=0.5,
+        description="Share of a round's updates that may be refused or capped by the round "
+        "guards without the round failing: a streamed round keeps that many updates (rounded "
+        "up) per criterion for the exact correction (docs/reliability.md). 0 = only "
+        "strategy.stream_retain.",
+    )
+    max_metric_keys: int | None = Field(
+        64, ge=1, le=100_000,
+        description="Metric keys kept per site reply (the weight and the identifiers "
+        "included; the others in sorted order); the rest are dropped, named in metrics.json "
+        "(metrics_dropped), and the reply still counts. Also the most keys a round's mean "
+        "metrics keep (those the most sites reported). None = no bound.",
+    )
+    max_metric_key_length: int | None = Field(
+        64, ge=1, le=100_000,
+        description="Longest metric key kept, in characters (longer ones dropped, named in "
+        "metrics.json). None = no bound.",
+    )
+    max_metric_list_length: int | None = Field(
+        1024, ge=1, le=10_000_000,
+        description="Longest list-valued metric kept, in elements (longer ones dropped, named "
+        "in metrics.json). None = no bound.",
     )
     options: dict[str, Any] = Field(
         default_factory=dict,

@@ -22,7 +22,11 @@ of the last version), without stopping training:
 * **records** — the metrics go into the record of the evaluated version under the
   synchronous loop's key, ``federated_eval``, once every asked site replied, or at
   ``run.round_timeout`` with what arrived (``federated_eval_sites`` replies,
-  ``federated_eval_errors`` when a site failed); ``metrics.json`` is written again then;
+  ``federated_eval_errors`` when a site failed or was refused); ``metrics.json`` is written
+  again then;
+* **weights** — capped as training weights are (``strategy.max_weight_ratio`` x the median;
+  with fewer than three replies the median takes in the training weights of the guard
+  window), named in ``federated_eval_capped`` (:meth:`AsyncEvaluation.close`);
 * **end of the run** — evaluations still in flight are waited for until their
   ``run.round_timeout`` (not past ``asynchronous.max_seconds``), then dropped with a log line;
 * **resume** — an open evaluation is part of the checkpointed state (record, version, nodes;
@@ -62,6 +66,7 @@ from fedagg.config import RunConfig
 from server.async_dispatch import NodeView, config_with_round, connected_nodes, fedavg_of
 from server.runner import client_config, finite_number
 from strategies.registry import build_strategy
+from strategies.update import RoundReport
 
 if TYPE_CHECKING:
     from server.async_records import RunRecorder
@@ -311,7 +316,16 @@ class AsyncEvaluation:
                 self.close(rnd)
 
     def close(self, rnd: int, why: str = "") -> None:
-        """Aggregate what the evaluation of record ``rnd`` got; write it into that record."""
+        """Aggregate what the evaluation of record ``rnd`` got; write it into that record.
+
+        The replies' weights (their ``num-examples``) are capped as training weights are
+        (``strategy.max_weight_ratio`` x the median, by the run's own FedAvg): the median of
+        the evaluation's weights, or, with fewer than three replies, of them together with the
+        training weights of the guard window (the latest accepted update of each recent site),
+        so one site claiming 1e300 examples cannot make the mean its own value. Caps are
+        named in the record's ``federated_eval_capped``, refused replies in
+        ``federated_eval_errors``.
+        """
         missing = [mid for mid, f in self.flights.items() if f.round == rnd]
         for mid in missing:
             del self.flights[mid]
@@ -324,8 +338,14 @@ class AsyncEvaluation:
         errors = {str(r.metadata.src_node_id): r.error.reason or "error reply"
                   for r in run.replies if r.has_error()}
         errors.update(run.refused)
+        strategy = self._strategy()
+        inner = fedavg_of(strategy)
+        if inner is not None:  # its weight cap's reference: the training weights (see close)
+            inner.eval_report = RoundReport()
+            inner.last_train_weights = (self.state.guards.weights
+                                        if self.state.guards is not None else [])
         try:
-            fed = self._strategy().aggregate_evaluate(ev.version, good) if good else None
+            fed = strategy.aggregate_evaluate(ev.version, good) if good else None
         except Exception as exc:  # like the synchronous loop: the record says why, the run goes on
             fed = None
             errors["server-evaluate"] = (f"unexpected error in federated evaluation: "
@@ -335,8 +355,14 @@ class AsyncEvaluation:
         if fed is not None:
             fields["federated_eval"] = {k: v for k, v in fed.items() if finite_number(v)}
         fields["federated_eval_sites"] = len(good)
+        notes = inner.eval_report if inner is not None else RoundReport()
+        errors.update(notes.refused)
         if errors:
             fields["federated_eval_errors"] = errors
+        if notes.capped:  # weights over max_weight_ratio x the median, capped
+            fields["federated_eval_capped"] = dict(notes.capped)
+            for note in notes.capped.values():
+                _log.warning("version %d: federated evaluation: %s", ev.version, note)
         self.recorder.amend(rnd, fields)
 
     # -- time -----------------------------------------------------------------------------------

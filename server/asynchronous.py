@@ -26,10 +26,20 @@ checkpointed atomically; a resumed run sends the in-flight dispatches again (at 
 original times on a virtual clock), so it replays the same arrival order and the same
 versions as an uninterrupted run (tests/asynchronous/test_async_resume.py).
 
-Every arriving update is judged by the median-relative guards against the last accepted
-updates before it is folded (:mod:`fedagg.asyncagg.guards`: norm bombs refused, lying weights
-capped). With ``run.fraction_evaluate > 0`` idle sites evaluate the new versions while
-training goes on (:mod:`server.async_evaluate`, which also routes replies by message type).
+Every arriving update is judged by the median-relative guards against the other sites' latest
+accepted updates before it is folded (:mod:`fedagg.asyncagg.guards`: norm bombs refused, lying
+weights capped).
+
+Buffers are fair: a buffer holds at most one update per site, and a FedBuff site gets one job
+per buffer. A site whose reply arrived while a buffer is open (folded, refused or failed) is
+not dispatched again until that buffer is applied (it waits; nothing it sent is refused for
+it), so however fast a site answers it takes one slot per buffer and cannot flood the guards
+or advance the versions past the other sites. FedBuff applies the buffer after ``K`` updates,
+or earlier once every connected site is waiting for it (fewer than ``K`` sites can fill it).
+
+With ``run.fraction_evaluate > 0`` idle sites evaluate the new versions while training goes
+on (:mod:`server.async_evaluate`, which also routes replies by message type; evaluation
+weights are capped as training weights are).
 
 :class:`AsyncRun` is the loop; its parts are objects with their own state, each in its module:
 the secure cohorts (:class:`server.async_cohorts.SecureCohorts`), the records, checkpoints,
@@ -189,9 +199,12 @@ class AsyncRun:
                   self.mode, self.state.version, res.count, hist, len(self.flights))
         return rec
 
-    def apply(self) -> None:
-        """FedBuff: apply the buffer, record, checkpoint."""
+    def apply(self, why: str = "") -> None:
+        """FedBuff: apply the buffer, record (``why``: a buffer applied before it was full),
+        checkpoint."""
         rec = self._take()
+        if why and "summary" not in rec:
+            rec["summary"] = f"round {rec['round']}: {why}"
         self.recorder.emit(rec)
         self.evaluation.evaluate_version(rec)
         _kill_if(f"{rec['round']}:after-apply")
@@ -247,8 +260,13 @@ class AsyncRun:
                 if not self.cohorts.open_next():
                     return
             else:
-                busy = self.state.busy()
-                free = [n for n in connected_nodes(self.grid) if n not in busy]
+                nodes = connected_nodes(self.grid)
+                if self._close_waiting_buffer(nodes):
+                    if self.done:
+                        return
+                    continue
+                busy, waiting = self.state.busy(), self.state.waiting  # one job per buffer
+                free = [n for n in nodes if n not in busy and n not in waiting]
                 if not free or len(busy) >= self.concurrency:
                     return
                 [node] = self.state.choose(free, 1, "fedbuff")
@@ -261,7 +279,7 @@ class AsyncRun:
         st.round_started = self.clock.now()
         nodes = connected_nodes(self.grid)
         k = max(int(len(nodes) * self.cfg.run.fraction_train), 1)
-        busy = st.busy()
+        busy = st.busy() | st.in_buffer()  # a buffer kept from the last round: its sites wait
         for node in st.choose(nodes, k, f"round-{st.round}"):
             if node not in busy:
                 self.send_job(st.dispatch(node, self.clock.now(), server_round=st.round))
@@ -282,9 +300,31 @@ class AsyncRun:
         return sorted(kept, key=lambda r: order.get(r.metadata.reply_to_message_id, 0)) \
             if not self.clock.virtual else kept  # a DelayedGrid returns arrival order
 
+    def _came_back(self, job: Job) -> None:
+        """FedBuff: the plaintext job's site waits for the open buffer to be applied (one job
+        per site per buffer), whatever its reply was."""
+        if self.mode == "fedbuff" and job.cohort < 0:
+            self.state.waiting.add(job.node)
+
+    def _close_waiting_buffer(self, nodes: list[int]) -> bool:
+        """FedBuff: when every connected site is waiting for the open buffer (fewer than ``K``
+        could fill it), apply it with what it holds, or, empty, let them all go again. Whether
+        anything was done."""
+        st = self.state
+        if not nodes or not set(nodes) <= st.waiting:
+            return False
+        if not st.buffer.count:
+            st.waiting.clear()  # every site's reply refused or failed: nothing to apply
+            return True
+        self.apply(f"buffer applied with {st.buffer.count} of asynchronous.buffer_size = "
+                   f"{st.buffer.size} updates: every connected site has replied since it "
+                   "opened (one job per site per buffer)")
+        return True
+
     def _handle(self, reply: Message) -> None:
         flight = self.flights.pop(reply.metadata.reply_to_message_id)
         job = self.state.arrive(flight.job.job)
+        self._came_back(job)
         node = str(job.node)
         self.arrivals += 1
         self.recorder.tally.bytes_up += message_nbytes(reply)
@@ -336,7 +376,7 @@ class AsyncRun:
         why = mismatch(reply, "train")
         _log.warning("refused reply: %s", why)
         flight = self.flights.pop(rid)
-        self.state.arrive(flight.job.job)
+        self._came_back(self.state.arrive(flight.job.job))
         self.recorder.tally.refused[str(reply.metadata.src_node_id)] = why
 
     # -- time --------------------------------------------------------------------------------------
@@ -348,7 +388,7 @@ class AsyncRun:
         for mid, f in list(self.flights.items()):
             if now >= f.job.dispatched_at + self.job_timeout:
                 del self.flights[mid]
-                self.state.arrive(f.job.job)
+                self._came_back(self.state.arrive(f.job.job))
                 self.recorder.tally.errors[str(f.job.node)] = (
                     f"no reply within run.round_timeout = {self.job_timeout:g} s")
         self.cohorts.expire(now)

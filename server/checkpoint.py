@@ -496,10 +496,12 @@ def check_async_state(ckpt: Checkpoint, fresh: Any, *, mode: str, secure: bool,
     version; every dispatch, cohort and evaluation references a kept model version, a known
     counter, a time no later than ``now``; the buffer has the run's size and weighting, and
     its entries the staleness, staleness weight, weight and count they were folded with
-    (their weights are the guard window's last ones); its normaliser is theirs; and its
-    running sum is no longer than the entries' delta norms (the window's) allow -- a buffer
-    sum of 1e30 never reaches the model. The optimizer's state must load into ``fresh``'s
-    optimizer and fit the model.
+    (their weights and sites are the guard window's last ones); its normaliser is theirs; and
+    its running sum is no longer than the entries' delta norms (the window's) allow -- a buffer
+    sum of 1e30 never reaches the model. Fair buffers: the buffer holds at most one update per
+    site, the guard window one entry per site (``nodes``), and the sites waiting for the open
+    buffer (``waiting``) are distinct node ids of a plaintext FedBuff run. The optimizer's
+    state must load into ``fresh``'s optimizer and fit the model.
 
     Parameters
     ----------
@@ -667,6 +669,7 @@ def check_async_state(ckpt: Checkpoint, fresh: Any, *, mode: str, secure: bool,
     window = st.get("guard_window")
     norms: list[float] = []
     weights: list[float] = []
+    wnodes: list[int] | None = None
     if window is not None:
         w = _fields(rd, f"{_A}.guard_window", window, ("size", "norms", "weights"))
         size = guards.size if guards is not None else None
@@ -680,6 +683,27 @@ def check_async_state(ckpt: Checkpoint, fresh: Any, *, mode: str, secure: bool,
         if len(norms) != len(weights) or len(norms) > w["size"]:
             raise rd.fail(f"{_A}.guard_window", f"{len(norms)} norms, {len(weights)} weights",
                           f"must be two lists of one length <= {w['size']}")
+        if "nodes" in w:  # one entry per site (a checkpoint from before has no nodes)
+            wnodes = [rd.int_in(f"{_A}.guard_window.nodes[{k}]", x, -1, _NODE_MAX)
+                      for k, x in enumerate(_list(rd, f"{_A}.guard_window.nodes", w["nodes"]))]
+            sites = [x for x in wnodes if x != -1]
+            if len(wnodes) != len(norms) or len(set(sites)) != len(sites):
+                raise rd.fail(f"{_A}.guard_window.nodes", wnodes[:4],
+                              f"must be {len(norms)} node ids, one per entry, each site once "
+                              "(the window keeps the latest update of each site)")
+            if (secure and sites) or (not secure and len(sites) != len(wnodes)):
+                raise rd.fail(f"{_A}.guard_window.nodes", wnodes[:4],
+                              "must be -1 (a cohort's sum) under secure aggregation and site "
+                              "node ids otherwise")
+    waiting = st.get("waiting")
+    if waiting is not None:  # plaintext FedBuff: the sites waiting for the open buffer
+        queue = [rd.int_in(f"{_A}.waiting[{k}]", x, 0, _NODE_MAX)
+                 for k, x in enumerate(_list(rd, f"{_A}.waiting", waiting))]
+        if queue != sorted(set(queue)):
+            raise rd.fail(f"{_A}.waiting", queue[:4], "must be sorted distinct node ids")
+        if queue and (mode != "fedbuff" or secure):
+            raise rd.fail(f"{_A}.waiting", queue[:4], "must be empty: only the sites of a "
+                          "plaintext FedBuff run wait for the open buffer")
     buf = _fields(rd, f"{_A}.buffer", st["buffer"], ("size", "weighting", "sum", "norm",
                                                      "entries"))
     b = fresh.buffer
@@ -691,6 +715,8 @@ def check_async_state(ckpt: Checkpoint, fresh: Any, *, mode: str, secure: bool,
     entries = _list(rd, f"{_A}.buffer.entries", buf["entries"])
     total_count, normaliser, bound, bounded = 0, 0.0, 0.0, True
     newest = len(entries)
+    folded: list[int] = []  # the sites with an update in the buffer, in order
+    misplaced: tuple[str, int, int] | None = None  # an entry that is not the window's
     for i, e in enumerate(entries):
         name = f"{_A}.buffer.entries[{i}]"
         e = _fields(rd, name, e, ("node", "partition", "job", "version", "staleness", "scale",
@@ -733,6 +759,10 @@ def check_async_state(ckpt: Checkpoint, fresh: Any, *, mode: str, secure: bool,
             if k >= 0 and not math.isclose(weights[k], weight, rel_tol=1e-12):
                 raise rd.fail(f"{name}.weight", weight, f"must be the weight it was folded with "
                               f"(guard_window.weights[{k}] = {weights[k]:g})")
+        if not cohort_entry:
+            folded.append(int(node))
+        if wnodes is not None and k >= 0 and wnodes[k] != int(node) and misplaced is None:
+            misplaced = (f"{name}.node", int(node), wnodes[k])
         if window is not None and k >= 0:
             bound += scale * n * norms[k]
         elif max_update_norm is not None:
@@ -746,6 +776,14 @@ def check_async_state(ckpt: Checkpoint, fresh: Any, *, mode: str, secure: bool,
     if mode == "deadline" and total_count > max(len(site_rounds), 1) * max(rnd, 1):
         raise rd.fail(f"{_A}.buffer.entries", f"{total_count} site updates",
                       "must be at most one per dispatched site and round")
+    twice = sorted({x for x in folded if folded.count(x) > 1})
+    if twice:
+        raise rd.fail(f"{_A}.buffer.entries", f"node {twice[0]} {folded.count(twice[0])} times",
+                      "must hold at most one update per site (fair buffers)")
+    if misplaced is not None:
+        raise rd.fail(misplaced[0], misplaced[1], f"must be the site of its guard window entry "
+                      f"({misplaced[2]}): each folded update enters the window as its site's "
+                      "newest")
     norm = _number(rd, f"{_A}.buffer.norm", buf["norm"], 0.0, 1e300)
     if not math.isclose(norm, normaliser, rel_tol=1e-9, abs_tol=1e-12):
         what = "weights" if b.weighting == "examples" else "counts"

@@ -10,8 +10,11 @@ Two guards keep one bad round from ending the run (docs/reliability.md): any une
 inside a round's training or aggregation (or its federated evaluation) leaves the global model
 unchanged, is recorded in that round's record (``errors["server"]``, ``summary``) and the run
 goes on with the next round; and a new global model is committed only when it is finite and
-within ``strategy.max_model_change`` of the old one, whatever strategy produced it. A run in
-which no round changed the model still ends in :class:`~fedagg.errors.RunFailed`.
+within ``strategy.max_model_change`` of the old one, whatever strategy produced it. A round
+whose aggregate was refused (a secure round aborted or its unmasked sum failing a check, a
+streamed round that cannot be corrected, a model that fails the backstop) says why in
+``round_refused`` and is counted in ``rounds_refused``; the run goes on. A run in which no
+round changed the model still ends in :class:`~fedagg.errors.RunFailed`.
 
 A resume (``run.resume``) is validated in full before anything is written into the run
 directory (:func:`load_resume`).
@@ -251,6 +254,15 @@ def check_resume(cfg: RunConfig, *, model_fn: ModelFn | None = None) -> Checkpoi
     return load_resume(cfg, keys, record_to_arrays(arrays)[1], build_strategy(cfg))
 
 
+def refused_reason(report: RoundReport) -> str:
+    """Why a round's aggregate was refused ('' when it was not: nothing came to aggregate, or
+    the round failed with an unexpected error)."""
+    if "server" in report.errors:
+        return ""
+    why = report.aborted or report.refused.get("server") or report.refused.get("round") or ""
+    return why.splitlines()[0][:500] if why else ""
+
+
 def round_summary(rnd: int, result: RoundResult) -> str:
     """One line naming why a round aggregated nothing (rejections, errors, missing replies)."""
     report = result.report
@@ -375,6 +387,7 @@ def run_server(
         checkpoint(0)
     summaries: list[str] = []
     updated_any = any(r.get("model_updated") for r in records[1:])
+    refused_rounds = sum(1 for r in records[1:] if r.get("round_refused"))
     for rnd in range(start, cfg.run.rounds + 1):
         t0 = time.perf_counter()
         memory = PeakMemory()  # this round's server-process peak RSS
@@ -414,9 +427,10 @@ def run_server(
         if due:
             loss, acc = evaluated(arrays)
             rec.update(accuracy=acc, loss=loss)
+        evaluation = RoundReport()
         try:  # federated evaluation on the same rounds as the centralized one
             fed = run_evaluate_round(strategy, grid, rnd, arrays, client_config(cfg),
-                                     round_deadline(cfg, rnd)) if due else None
+                                     round_deadline(cfg, rnd), report=evaluation) if due else None
         except Exception as exc:  # like training: the round's record says why, the run goes on
             fed = None
             report.errors["server-evaluate"] = (f"unexpected error in federated evaluation: "
@@ -424,6 +438,11 @@ def run_server(
             _log.error("round %d: %s", rnd, report.errors["server-evaluate"], exc_info=True)
         if fed is not None:
             rec["federated_eval"] = {k: v for k, v in fed.items() if finite_number(v)}
+        for key, notes in (("federated_eval_errors", {**evaluation.errors, **evaluation.refused}),
+                           ("federated_eval_capped", evaluation.capped),
+                           ("federated_eval_metrics_dropped", evaluation.metrics_dropped)):
+            if notes:  # who the evaluation left out, capped or trimmed, and why
+                rec[key] = dict(notes)
         span = memory.stop()  # training, aggregation and evaluation
         rec.update(server_rss_peak=span.peak, server_rss_start=span.start,
                    server_rss_method=span.method)
@@ -452,8 +471,10 @@ def run_server(
             )  # secure aggregation: counted, dropped, error bound
         for phase, sec in report.seconds.items():
             rec[f"seconds_{phase}"] = sec
-        if report.site_metrics:  # per site (by partition id): compute / comm seconds, ...
+        if report.site_metrics:  # per site (by node id; partition-id a label): seconds, ...
             rec["site_metrics"] = dict(report.site_metrics)
+        if report.metrics_dropped:
+            rec["metrics_dropped"] = dict(report.metrics_dropped)
         if report.accepted:
             rec["sites"] = list(report.accepted)
         if report.capped:
@@ -464,6 +485,11 @@ def run_server(
             rec["errors"] = dict(report.errors)
         if result.arrays is None:
             rec["summary"] = summaries[-1]
+            why = refused_reason(report)
+            if why:
+                refused_rounds += 1
+                rec["round_refused"] = why
+        rec["rounds_refused"] = refused_rounds
         records.append(rec)
         if out is not None:
             write_metrics(out, records)

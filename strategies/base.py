@@ -78,6 +78,10 @@ class FedaggStrategy(Strategy):
         What the strategy did in the round being aggregated (reset by ``configure_train``):
         updates refused or capped with their reasons, the accepted sites, its own exchanges'
         bytes and seconds. fedagg's round loop merges it into the round's report.
+    eval_report : RoundReport
+        The same for the last federated evaluation (reset by ``configure_evaluate``): error
+        replies, refused replies, capped weights, dropped metrics (empty for a strategy that
+        notes nothing).
     """
 
     Config: ClassVar[type[BaseModel] | None] = None
@@ -86,6 +90,18 @@ class FedaggStrategy(Strategy):
     """Whether a site may be sent its train message again after a transient error (secure
     aggregation: never, a message must not be answered twice)."""
     report: RoundReport
+
+    @property
+    def eval_report(self) -> RoundReport:
+        """What the last federated evaluation did (see the class docstring)."""
+        report = self.__dict__.get("_eval_report")
+        if not isinstance(report, RoundReport):
+            report = self.__dict__["_eval_report"] = RoundReport()
+        return report
+
+    @eval_report.setter
+    def eval_report(self, report: RoundReport) -> None:
+        self.__dict__["_eval_report"] = report
 
     def aggregate_stream(self, server_round: int, replies: Iterable[Message]
                          ) -> tuple[ArrayRecord | None, MetricRecord | None]:

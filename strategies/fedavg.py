@@ -35,14 +35,27 @@ records in between.
 Protections that can change an honest result are off by default and named: the weight cap
 (``max_weight_ratio``: weights above that multiple of the round's median are capped; real
 federations mix one large hospital with several small sites), the norm-bomb guard
-(``norm_outlier_factor``), ``max_update_norm``, ``max_weight``, ``max_model_change``.
-``fedagg simulate``'s run config turns the first two on (``[strategy]``, docs/reliability.md).
+(``norm_outlier_factor``), ``max_update_norm``, ``max_weight``, ``max_model_change``, the
+bounds on the sites' metrics (``metric_limits``). ``fedagg simulate``'s run config turns the
+first two and the metric bounds on (``[strategy]``, docs/reliability.md).
+
+The same weight cap applies to federated evaluation: an evaluate reply's weight above
+``max_weight_ratio`` x the median of the evaluation's weights is capped (with fewer than three
+evaluation replies, the median is taken together with the last training round's weights), and
+the cap is named in :attr:`eval_report`.
+
+Records are credited by the node id the transport authenticates: :attr:`report`'s
+``site_metrics`` is keyed by node id, a site's ``partition-id`` is only a label in it, and a
+label two nodes claim in the same round is withheld from both (``accepted`` -1, the reason in
+``metrics_dropped``).
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -55,6 +68,7 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
 from fedagg.accumulate import WeightBuckets, grid_exponents
 from fedagg.aggregate import (
+    MEDIAN_MIN_UPDATES,
     ServerOptimizer,
     UpdateGuards,
     cap_weights,
@@ -65,7 +79,7 @@ from fedagg.config import RunConfig
 from fedagg.errors import ConfigError, UpdateRejected, explain
 from strategies.base import FedaggStrategy
 from strategies.codec import Consistency, PlainCodec, check_metadata
-from strategies.metrics import site_metrics_mean
+from strategies.metrics import MetricLimits, site_metrics_mean
 from strategies.streaming import StreamRound, new_accumulator
 from strategies.update import RoundReport, Update, node_of, numbers, partition_of
 from strategies.wire import arrays_to_record, npy_record, record_to_arrays
@@ -119,8 +133,17 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
         ``0`` / ``1``: aggregate in this process; ``S >= 2``: on S Ray actors, each holding
         1/S of the accumulator (:class:`strategies.sharded.ShardedAccumulator`; same bits).
     stream_retain : int
-        Updates kept per criterion (largest norms, largest weights) so that the round guards
-        can correct the streamed sum exactly; a round needing more corrections is refused.
+        Fewest updates kept per criterion (largest norms, largest weights) so that the round
+        guards can correct the streamed sum exactly; a round needing more corrections is
+        refused.
+    hostile_fraction : float
+        Share of a round's updates the round guards may refuse or cap without the round
+        failing: a configured round keeps ``max(stream_retain, ceil(hostile_fraction x
+        messages sent))`` updates per criterion.
+    metric_limits : MetricLimits, optional
+        Bounds on each reply's metrics (keys, key length, list length) before they reach the
+        records and the metrics functions; keys over them are dropped, named in
+        :attr:`report`'s ``metrics_dropped`` (default: none, as Flower).
     """
 
     aggregates_linearly: ClassVar[bool] = True
@@ -140,7 +163,8 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
                  wait_timeout: float | None = None, max_weight: float | None = None,
                  max_weight_ratio: float = 0.0, norm_outlier_factor: float = 0.0,
                  max_model_change: float | None = None, isolate_replies: bool = False,
-                 shards: int = 0, stream_retain: int = 2) -> None:
+                 shards: int = 0, stream_retain: int = 2, hostile_fraction: float = 0.25,
+                 metric_limits: MetricLimits | None = None) -> None:
         self._result: tuple[list[Update], MetricRecord] | None = None
         # Flower logs a warning for a 0 fraction at every construction; fedagg's run config
         # defaults to fraction_evaluate = 0 (centralized evaluation), so set it quietly.
@@ -180,6 +204,14 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
         streamed guards keep aside fewer updates with it)."""
         self.shards = int(shards)
         self.stream_retain = int(stream_retain)
+        self.hostile_fraction = float(hostile_fraction)
+        self.metric_limits = (metric_limits if metric_limits is not None
+                              else MetricLimits(weight_key=weighted_by_key))
+        self.last_train_weights: list[float] = []
+        """The per-site weights of the last committed round (the evaluation cap's reference
+        when an evaluation has too few replies for a median of its own; empty when the round
+        was one aggregate, as under secure aggregation). A loop that commits updates
+        elsewhere (the asynchronous buffer) may set it."""
         self._sharded: Any = None  # the Ray actors, kept from round to round
 
     @classmethod
@@ -187,11 +219,11 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
         """Build from a validated run config (``[run]`` and ``[strategy]``): fedagg's
         protections as configured, replies isolated, identifiers left out of the metrics."""
         s = cfg.strategy
+        mean = functools.partial(site_metrics_mean, max_keys=s.max_metric_keys)
         return cls(fraction_train=cfg.run.fraction_train,
                    fraction_evaluate=cfg.run.fraction_evaluate, min_train_nodes=1,
                    min_evaluate_nodes=1, min_available_nodes=cfg.run.min_sites,
-                   train_metrics_aggr_fn=site_metrics_mean,
-                   evaluate_metrics_aggr_fn=site_metrics_mean,
+                   train_metrics_aggr_fn=mean, evaluate_metrics_aggr_fn=mean,
                    min_sites=cfg.run.min_sites, server_optimizer=s.server_optimizer,
                    server_lr=s.server_lr, server_momentum=s.server_momentum,
                    max_update_norm=s.max_update_norm, seed=cfg.run.seed,
@@ -199,7 +231,11 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
                    max_weight_ratio=s.max_weight_ratio,
                    norm_outlier_factor=s.norm_outlier_factor,
                    max_model_change=s.max_model_change, isolate_replies=True,
-                   shards=s.shards, stream_retain=s.stream_retain)
+                   shards=s.shards, stream_retain=s.stream_retain,
+                   hostile_fraction=s.hostile_fraction,
+                   metric_limits=MetricLimits(max_keys=s.max_metric_keys,
+                                              max_key_length=s.max_metric_key_length,
+                                              max_list_length=s.max_metric_list_length))
 
     # -- Flower's metrics functions ----------------------------------------------------------
     @property
@@ -348,9 +384,10 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
         """
         if not is_train:
             ups = list(self.decoded(replies, arrays=False, report=self.eval_report))
-            weights = self._capped_weights(ups, self.eval_report)
-            return [_with_weight(u, w, self.weighted_by_key) for u, w in
-                    zip(ups, weights, strict=True)], []
+            weights = self._capped_weights(ups, self.eval_report, pool=self.last_train_weights)
+            bounded = [self._bounded(u, self.eval_report) for u in ups]
+            return [_with_weight(u, w, self.weighted_by_key, metrics=m) for u, w, m in
+                    zip(ups, weights, bounded, strict=True)], []
         if self._global is None:  # aggregate_train called alone: Flower averages the checked
             if self.optimizer.kind != "none":
                 raise ConfigError(explain(
@@ -388,15 +425,67 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
         return self.aggregate_updates(
             server_round, self.decoded(replies, check_finite=not folds_checked), deltas=False)
 
-    def _capped_weights(self, updates: Sequence[Update], report: RoundReport) -> list[float]:
-        """The weights of a list-averaged round, capped by ``max_weight_ratio`` (noted)."""
-        weights, over = cap_weights([u.weight for u in updates], self.guards.max_weight_ratio)
+    def _capped_weights(self, updates: Sequence[Update], report: RoundReport, *,
+                        pool: Sequence[float] = ()) -> list[float]:
+        """The weights of a list-averaged round, capped by ``max_weight_ratio`` (noted).
+
+        With fewer than :data:`~fedagg.aggregate.MEDIAN_MIN_UPDATES` updates, the median is
+        taken over their weights together with ``pool`` (an evaluation: the last training
+        round's weights), which only serve as the reference.
+        """
+        own = [u.weight for u in updates]
+        pooled = len(own) < MEDIAN_MIN_UPDATES and len(own) + len(pool) >= MEDIAN_MIN_UPDATES
+        weights, over = cap_weights([*own, *pool] if pooled else own,
+                                    self.guards.max_weight_ratio)
+        weights = weights[:len(own)]
+        of = ("the median of these weights and the last training round's" if pooled
+              else "the median")
         for i in over:
+            if i >= len(own):
+                continue
             u = updates[i]
             report.capped[u.key] = (
                 f"{u.site}: weight {u.weight:.6g} capped to {weights[i]:.6g} "
-                f"(strategy.max_weight_ratio = {self.guards.max_weight_ratio} x the median)")
+                f"(strategy.max_weight_ratio = {self.guards.max_weight_ratio} x {of})")
         return [float(w) for w in weights]
+
+    def _bounded(self, update: Update, report: RoundReport) -> dict[str, Any]:
+        """``update``'s metrics within :attr:`metric_limits` (what was dropped noted)."""
+        metrics, note = self.metric_limits.bound(update.site, update.metrics)
+        if note:
+            report.metrics_dropped[update.key] = note
+            _log.warning("%s", note)
+        return metrics
+
+    def _credit(self, updates: Sequence[Update], report: RoundReport) -> list[dict[str, Any]]:
+        """The accepted updates' metrics (bounded), credited by node id into ``report``.
+
+        ``site_metrics`` is keyed by the node id the transport authenticates; the
+        ``partition-id`` a site reports stays a label in it (``accepted`` lists the labels),
+        and a label claimed by more than one node of the round is withheld from all of them.
+        """
+        bounded = [self._bounded(u, report) for u in updates]
+        claims: dict[int, list[int]] = {}
+        for i, m in enumerate(bounded):
+            if (label := partition_of(m)) >= 0:
+                claims.setdefault(label, []).append(i)
+        for label, idx in claims.items():
+            if len(idx) < 2:
+                continue
+            names = ", ".join(updates[i].site for i in idx[:4])
+            for i in idx:
+                bounded[i] = {k: v for k, v in bounded[i].items() if k != "partition-id"}
+                u = updates[i]
+                note = (f"{u.site}: partition-id {label} withheld: claimed by {len(idx)} nodes "
+                        f"of this round ({names}); a partition id is a label, the records "
+                        "are keyed by node id")
+                old = report.metrics_dropped.get(u.key)
+                report.metrics_dropped[u.key] = f"{old}; {note}" if old else note
+                _log.warning("%s", note)
+        report.accepted = [partition_of(m) for m in bounded]
+        report.site_metrics = {u.key if u.node is not None else f"?{i}": numbers(m)
+                               for i, (u, m) in enumerate(zip(updates, bounded, strict=True))}
+        return bounded
 
     # -- the engine ------------------------------------------------------------------------------
     def _accumulator(self, current: Sequence[np.ndarray]) -> WeightBuckets:
@@ -432,9 +521,9 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
         keys, current = self._global
         report = self.report
         acc = self._accumulator(current)
+        expected = self._sent if self._round == server_round else None
         stream = StreamRound(acc, self.guards, current, deltas=deltas, server_round=server_round,
-                             retain=self.stream_retain,
-                             expected=self._sent if self._round == server_round else None)
+                             retain=self.retain_for(expected), expected=expected)
         for update in updates:  # any iterable, consumed once: each update folded, then dropped
             stream.add(update)
             del update
@@ -445,8 +534,11 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
         order = sorted(range(len(kept)), key=lambda i: (_partition(kept[i]), kept[i].key))
         good = [kept[i] for i in order]
         weights = [capped_weights[i] for i in order]
-        report.accepted = [_partition(u) for u in good]
-        report.site_metrics = {str(_partition(u)): numbers(u.metrics) for u in good}
+        if sites is None:  # the sites' own updates: each credited to its node
+            site_metrics = self._credit(good, report)
+        else:  # one aggregate standing for several sites (secure, sketches): no site's record
+            site_metrics = [dict(u.metrics) for u in good]  # the server's own, not a site's
+            report.accepted = [_partition(u) for u in good]
         count = len(good) if sites is None else int(sites)
         if problem:
             report.refuse("server", problem, log=False)
@@ -479,13 +571,21 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
                           f"committed (global model unchanged): {problem}", log=False)
             _log.error("%s", report.refused["server"])
             return None, None
+        self.last_train_weights = [float(w) for w in weights] if sites is None else []
         metrics = self._train_metrics_fn(
-            [RecordDict({"metrics": MetricRecord({**_metric_values(u.metrics),
+            [RecordDict({"metrics": MetricRecord({**_metric_values(m),
                                                   self.weighted_by_key: float(w)})})
-             for u, w in zip(good, weights, strict=True)], self.weighted_by_key)
+             for m, w in zip(site_metrics, weights, strict=True)], self.weighted_by_key)
         if record is not None and new is mean:
             return record, metrics
         return arrays_to_record(new, keys), metrics
+
+    def retain_for(self, expected: int | None) -> int:
+        """Updates a streamed round keeps per criterion: ``stream_retain``, and with the
+        number of updates the round can have, at least ``hostile_fraction`` of them."""
+        if expected is None:
+            return self.stream_retain
+        return max(self.stream_retain, math.ceil(self.hostile_fraction * max(int(expected), 0)))
 
     def state_dict(self) -> dict[str, Any]:
         """Server-optimizer state, for checkpoints."""
@@ -519,15 +619,19 @@ def _metric_values(metrics: Any) -> dict[str, Any]:
     return out
 
 
-def _with_weight(update: Update, weight: float, key: str) -> Message:
-    """``update``'s reply, its weight replaced by ``weight`` when a guard capped it."""
+def _with_weight(update: Update, weight: float, key: str, *,
+                 metrics: dict[str, Any] | None = None) -> Message:
+    """``update``'s reply, its weight replaced by ``weight`` when a guard capped it (and its
+    metrics by ``metrics``, the bounded ones, when they differ)."""
     reply = update.reply
     assert reply is not None
-    if weight == update.weight:
+    same = metrics is None or len(metrics) == len(update.metrics)
+    if weight == update.weight and same:
         return reply
     content = RecordDict(dict(reply.content.items()))
     mkey = next(iter(content.metric_records.keys()))
-    content[mkey] = MetricRecord({**dict(content.metric_records[mkey]), key: float(weight)})
+    kept = dict(content.metric_records[mkey]) if same else _metric_values(metrics)
+    content[mkey] = MetricRecord({**kept, key: float(weight)})
     out: Message = Message(content=content, metadata=reply.metadata)  # type: ignore[call-overload]
     return out
 

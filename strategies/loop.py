@@ -103,10 +103,23 @@ def edge_codec(strategy: Strategy) -> Any:
 
 
 def run_evaluate_round(strategy: Strategy, grid: Grid, server_round: int, arrays: ArrayRecord,
-                       config: ConfigRecord, timeout: float) -> MetricRecord | None:
-    """Federated evaluation: configure_evaluate -> send_and_receive -> aggregate_evaluate."""
+                       config: ConfigRecord, timeout: float, *,
+                       report: RoundReport | None = None) -> MetricRecord | None:
+    """Federated evaluation: configure_evaluate -> send_and_receive -> aggregate_evaluate.
+
+    ``report``, when given, gets what the exchange saw and what the strategy noted
+    (:attr:`FedaggStrategy.eval_report`: refused replies, capped weights, dropped metrics).
+    """
     messages = list(strategy.configure_evaluate(server_round, arrays, config, grid))
     if not messages:
         return None
-    return strategy.aggregate_evaluate(server_round, exchange(grid, messages, timeout))
+    seen = RoundReport()
+    try:
+        return strategy.aggregate_evaluate(server_round,
+                                           exchange(grid, messages, timeout, report=seen))
+    finally:
+        if report is not None:
+            if isinstance(strategy, FedaggStrategy):
+                report.merge(strategy.eval_report)
+            report.merge(seen)
 

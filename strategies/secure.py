@@ -468,7 +468,8 @@ class SecureAggregation(StrategyWrapper):
             return None, None
         try:
             decoded = self.decoder.decode(r.layout, result.mean, result.total, dim=r.dim,
-                                          num_sites=r.participants, ring_bits=result.ring_bits)
+                                          num_sites=r.participants, ring_bits=result.ring_bits,
+                                          counted=len(result.counted))
             problem = (check_aggregate(decoded.values, max_norm=None, clip=self.params.clip)
                        or check_aggregate(decoded.delta, max_norm=self.max_update_norm,
                                           clip=None))
@@ -478,6 +479,9 @@ class SecureAggregation(StrategyWrapper):
             self.decoder.reject()
             self._abort(server_round, problem)
             return None, None
+        if decoded.vote_problem:  # the votes only: the values are checked on their own
+            self.report.refuse("votes", f"round {server_round}: the vote sum was refused "
+                               f"(unattributable under masking): {decoded.vote_problem}")
         delta = unflatten_like(decoded.delta, r.current)
         self.last_result = result
         metrics = {

@@ -264,8 +264,10 @@ class StreamRound:
                            f"{len(missing)} more update(s) than the {self.retainer.keep} kept "
                            f"per criterion for an exact correction (nodes {missing[:5]}): "
                            "the streamed sum cannot be corrected, so the round is not "
-                           "committed (global model unchanged). Fix: raise the strategy's "
-                           "stream_retain, or turn the guard off")
+                           "committed (global model unchanged). Fix: raise "
+                           "strategy.hostile_fraction (the share of a round's updates that "
+                           "may be refused or capped) or strategy.stream_retain, or turn the "
+                           "guard off")
                 if self.skipped and self.expected is not None \
                         and len(self.stats) > self.expected:
                     problem += (f" ({len(self.stats)} updates came for {self.expected} "

@@ -105,13 +105,19 @@ class RoundReport:
         Partition ids of the sites whose update is in the aggregate (-1 when unknown).
     refused : dict
         Who -> why, for replies or updates left out (a node id, ``"server"`` for the whole
-        aggregate, ``"round"`` for a refused round).
+        aggregate, ``"round"`` for a refused round, ``"votes"`` for a secure round's refused
+        vote sum).
     capped : dict
         Node id -> note, for weights the round guards lowered.
     errors : dict
         Node id -> reason, for error replies, sites that did not answer in time or dropped.
     site_metrics : dict
-        Partition id -> the site's numeric metrics.
+        Node id -> the site's numeric metrics (within the strategy's metric limits), its
+        ``partition-id`` as it reported it: a label, never the key (the node id is what the
+        transport authenticates).
+    metrics_dropped : dict
+        Node id -> why some of its metrics were left out (too many or too long keys, a list
+        too long, a ``partition-id`` claimed by another node of the round as well).
     bytes_down, bytes_up : int
         Serialised bytes sent and received (every exchange of the round).
     exchanges : int
@@ -129,6 +135,7 @@ class RoundReport:
     capped: dict[str, str] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     site_metrics: dict[str, dict[str, float]] = field(default_factory=dict)
+    metrics_dropped: dict[str, str] = field(default_factory=dict)
     bytes_down: int = 0
     bytes_up: int = 0
     exchanges: int = 0
@@ -159,7 +166,8 @@ class RoundReport:
         self.replies = max(self.replies, other.replies)
         self.sampled = max(self.sampled, other.sampled)
         for mine, theirs in ((self.refused, other.refused), (self.capped, other.capped),
-                             (self.errors, other.errors), (self.site_metrics, other.site_metrics)):
+                             (self.errors, other.errors), (self.site_metrics, other.site_metrics),
+                             (self.metrics_dropped, other.metrics_dropped)):
             for k, v in theirs.items():
                 mine.setdefault(k, v)  # type: ignore[arg-type]
         if other.accepted and not self.accepted:

@@ -272,6 +272,18 @@ class StrategyWrapper(FedaggStrategy):
             object.__setattr__(self, name, value)
 
     # -- delegated -----------------------------------------------------------------------------
+    @property
+    def eval_report(self) -> RoundReport:
+        """The inner strategy's: federated evaluation is the inner strategy's."""
+        inner = self.__dict__.get("inner")
+        return inner.eval_report if isinstance(inner, FedaggStrategy) else RoundReport()
+
+    @eval_report.setter
+    def eval_report(self, report: RoundReport) -> None:
+        inner = self.__dict__.get("inner")
+        if isinstance(inner, FedaggStrategy):
+            inner.eval_report = report
+
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
         """Federated evaluation, as the inner strategy does it."""

@@ -6,23 +6,30 @@ A synchronous round sees its updates side by side, so the round guards
 ``max_weight_ratio`` x the round's median weight. A FedBuff buffer is folded as its updates
 arrive, and the median over its ``K`` updates is not known until it is full — by then the
 bomb is already in the running sum. :class:`GuardWindow` therefore keeps the scalars
-``(delta norm, weight)`` of the last ``W`` **accepted** updates (no arrays) and judges every
+``(delta norm, weight)`` of recent **accepted** updates (no arrays), **one per site**: the
+latest accepted update of each of the last ``W`` sites that had one accepted. It judges every
 arriving update, before it is folded, exactly as the synchronous guard judges a round made of
-those ``W`` updates and the arriving one:
+the window's updates of the *other* sites and the arriving one (a synchronous round, too,
+holds one update per site):
 
 * refused (:class:`~fedagg.errors.UpdateRejected`, field, value, rule, fix) when
   :func:`fedagg.aggregate.norm_outliers` flags it, i.e. its norm is above
-  ``norm_outlier_factor`` x the median of the ``W + 1`` norms, or not finite;
+  ``norm_outlier_factor`` x the median of that round's norms, or not finite;
 * its weight capped by :func:`fedagg.aggregate.cap_weights` at ``max_weight_ratio`` x the
-  median of the ``W + 1`` weights.
+  median of that round's weights.
 
-The arriving update is one of the ``W + 1`` values the median is taken over, as a bomb is part
-of its own synchronous round; being a single value it moves the median by one order statistic
-at most. The median-relative rules act once the window holds
-:data:`~fedagg.aggregate.MEDIAN_MIN_UPDATES` accepted updates (before that only a non-finite
-norm is refused); a factor or ratio of 0 turns each rule off. Refused updates never enter the
-window; an accepted one enters with the weight it was folded with (after the cap). The
-decisions are a deterministic function of the arrival order, and the window is plain data
+One site is one value of the round however many updates it sends: its own earlier update is
+left out when it is judged, and its accepted update replaces its earlier one in the window
+(becoming the newest) instead of pushing another site's out. So a site that answers 50 times
+as fast as the others cannot fill the window with its own values and walk the median up one
+accepted update at a time (a *ratchet*); it moves the median by one order statistic at most,
+as a single value does. The rules act once the round has
+:data:`~fedagg.aggregate.MEDIAN_MIN_UPDATES` updates (the arriving one and two other sites'),
+as a synchronous round must (before that only a non-finite norm is refused); a factor or
+ratio of 0 turns each rule off. Refused updates never enter the window; an accepted one
+enters with the weight it was folded with (after the cap). A secure cohort's sum (``node =
+-1``) stands for no single site: each cohort is a value of its own. The decisions are a
+deterministic function of the arrival order, and the window is plain data
 (:meth:`GuardWindow.state_dict`), part of the asynchronous server state's checkpoint.
 """
 
@@ -41,10 +48,13 @@ from fedagg.errors import ConfigError, UpdateRejected, explain
 __all__ = ["DEFAULT_GUARD_WINDOW", "GuardWindow", "Verdict"]
 
 DEFAULT_GUARD_WINDOW = 20
-"""Accepted updates whose scalars the guards compare against (``asynchronous.guard_window``):
+"""Sites whose latest accepted update the guards compare against (``asynchronous.guard_window``):
 two of FedBuff's default buffers (``K = 10``), so the median follows the shrinking delta norms
-of a converging model within a few versions, while a single site would have to send more than
-half of the last 20 accepted updates to move it."""
+of a converging model within a few versions, while a single site is one value of up to 21
+(it would need more than half of them, i.e. other sites, to move the median)."""
+
+NO_SITE = -1
+"""The node of a window entry that stands for no single site (a secure cohort's sum)."""
 
 
 @dataclass(frozen=True)
@@ -61,12 +71,15 @@ class Verdict:
         The weight it reported.
     median_weight : float
         The median weight the cap was taken from (0.0 when no cap applied).
+    node : int
+        The site it came from (:data:`NO_SITE` for a secure cohort's sum).
     """
 
     norm: float
     weight: float
     reported: float
     median_weight: float = 0.0
+    node: int = NO_SITE
 
     @property
     def capped(self) -> bool:
@@ -75,12 +88,13 @@ class Verdict:
 
 
 class GuardWindow:
-    """The scalars of the last ``size`` accepted updates and the decisions taken from them.
+    """The scalars of the latest accepted update of the last ``size`` sites, and the decisions
+    taken from them.
 
     Parameters
     ----------
     size : int
-        ``W``: accepted updates remembered (at least :data:`MEDIAN_MIN_UPDATES`).
+        ``W``: entries remembered, one per site (at least :data:`MEDIAN_MIN_UPDATES`).
     norm_outlier_factor : float
         Refuse a norm above this multiple of the median (0: off; else > 1).
     max_weight_ratio : float
@@ -111,18 +125,26 @@ class GuardWindow:
         self.size = size
         self.norm_outlier_factor = float(norm_outlier_factor)
         self.max_weight_ratio = float(max_weight_ratio)
-        self._norms: deque[float] = deque(maxlen=size)
-        self._weights: deque[float] = deque(maxlen=size)
+        self._entries: deque[tuple[int, float, float]] = deque(maxlen=size)  # node, norm, weight
 
     def __len__(self) -> int:
-        return len(self._norms)
+        return len(self._entries)
 
     @property
-    def active(self) -> bool:
-        """Whether the window holds enough accepted updates for the median-relative rules."""
-        return len(self._norms) >= MEDIAN_MIN_UPDATES
+    def nodes(self) -> list[int]:
+        """The window's sites, oldest first (:data:`NO_SITE` for a cohort's sum)."""
+        return [n for n, _, _ in self._entries]
 
-    def judge(self, norm: float, weight: float, *, site: str, cap: bool = True) -> Verdict:
+    @property
+    def weights(self) -> list[float]:
+        """The weights the window's updates were folded with, oldest first."""
+        return [w for _, _, w in self._entries]
+
+    def _others(self, node: int) -> list[tuple[int, float, float]]:
+        return [e for e in self._entries if node == NO_SITE or e[0] != node]
+
+    def judge(self, norm: float, weight: float, *, site: str, cap: bool = True,
+              node: int = NO_SITE) -> Verdict:
         """Judge one arriving update (nothing is remembered: :meth:`accept` it once folded).
 
         Parameters
@@ -135,64 +157,83 @@ class GuardWindow:
             Who sent it, for the message (``"node 12"``, ``"cohort 3"``).
         cap : bool
             Whether the weight cap applies (not for a secure cohort's sum).
+        node : int
+            The site's node id: its own entry in the window is not part of the round it is
+            judged in (:data:`NO_SITE`: a cohort's sum, judged against every entry).
 
         Raises
         ------
         UpdateRejected
-            A norm bomb (or a non-finite norm), named with the window's median.
+            A norm bomb (or a non-finite norm), named with the round's median.
         """
-        norms = [*self._norms, float(norm)] if self.active else [float(norm)]
+        others = self._others(int(node))
+        norms = [*(n for _, n, _ in others), float(norm)]
         if len(norms) - 1 in norm_outliers(norms, self.norm_outlier_factor):
             finite = [n for n in norms if math.isfinite(n)]
             median = float(np.median(finite)) if finite else 0.0
+            active = self.norm_outlier_factor > 0 and len(norms) >= MEDIAN_MIN_UPDATES
             rule = (f"must be <= strategy.norm_outlier_factor x the median delta norm of the "
-                    f"last {len(norms) - 1} accepted updates and this one = "
-                    f"{self.norm_outlier_factor:g} x {median:.6g}") if self.active \
+                    f"latest accepted updates of {len(others)} other site(s) and this one = "
+                    f"{self.norm_outlier_factor:g} x {median:.6g}") if active \
                 else "must be finite"
             raise UpdateRejected(explain(
                 f"{site}.delta_norm", float(f"{norm:.6g}"), rule,
                 "the update is refused and never reaches the model; check the site (a norm "
                 "bomb?), or raise / turn off (0) strategy.norm_outlier_factor"))
-        if not cap or not self.active:
-            return Verdict(float(norm), float(weight), float(weight))
-        weights, over = cap_weights([*self._weights, float(weight)], self.max_weight_ratio)
+        if not cap:
+            return Verdict(float(norm), float(weight), float(weight), node=int(node))
+        weights, over = cap_weights([*(w for _, _, w in others), float(weight)],
+                                    self.max_weight_ratio)
         if len(weights) - 1 in over:
             cap_value = float(weights[-1])
             return Verdict(float(norm), cap_value, float(weight),
-                           cap_value / self.max_weight_ratio)
-        return Verdict(float(norm), float(weight), float(weight))
+                           cap_value / self.max_weight_ratio, node=int(node))
+        return Verdict(float(norm), float(weight), float(weight), node=int(node))
 
     def accept(self, verdict: Verdict) -> None:
-        """Remember a folded update's norm and (capped) weight; the oldest one leaves."""
-        self._norms.append(verdict.norm)
-        self._weights.append(verdict.weight)
+        """Remember a folded update's norm and (capped) weight as its site's newest entry (its
+        earlier one leaves); the oldest entry leaves a full window."""
+        if verdict.node != NO_SITE:
+            kept = [e for e in self._entries if e[0] != verdict.node]
+            if len(kept) != len(self._entries):
+                self._entries.clear()
+                self._entries.extend(kept)
+        self._entries.append((int(verdict.node), verdict.norm, verdict.weight))
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain data: the window's norms and weights, oldest first."""
-        return {"size": self.size, "norms": list(self._norms), "weights": list(self._weights)}
+        """Plain data: the window's sites, norms and weights, oldest first."""
+        return {"size": self.size, "nodes": self.nodes,
+                "norms": [n for _, n, _ in self._entries], "weights": self.weights}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        """Restore :meth:`state_dict` output (``None``: an empty window, an older checkpoint).
+        """Restore :meth:`state_dict` output (``None``: an empty window, an older checkpoint;
+        one without ``nodes`` loads its entries as standing for no single site).
 
         A window saved with another size keeps its newest ``size`` entries.
 
         Raises
         ------
         ConfigError
-            Lists of different lengths or values that are not finite numbers >= 0.
+            Lists of different lengths, values that are not finite numbers >= 0, or nodes
+            that are not ids (>= -1) with each site at most once.
         """
-        self._norms.clear()
-        self._weights.clear()
+        self._entries.clear()
         if not state:
             return
         norms, weights = list(state.get("norms", [])), list(state.get("weights", []))
-        ok = len(norms) == len(weights) and all(
+        nodes = list(state.get("nodes", [NO_SITE] * len(norms)))
+        sites = [n for n in nodes if n != NO_SITE]
+        ok = len(norms) == len(weights) == len(nodes) and all(
             isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-            and v >= 0 for v in norms + weights)
+            and v >= 0 for v in norms + weights) and all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= NO_SITE for n in nodes) \
+            and len(set(sites)) == len(sites)
         if not ok:
             raise ConfigError(explain("asynchronous state.guard_window",
-                                      f"{len(norms)} norms, {len(weights)} weights",
-                                      "must be two lists of finite numbers >= 0 of one length",
+                                      f"{len(nodes)} nodes, {len(norms)} norms, "
+                                      f"{len(weights)} weights",
+                                      "must be three lists of one length: node ids (each site "
+                                      "once) and finite numbers >= 0",
                                       "resume from an intact checkpoint"))
-        self._norms.extend(float(v) for v in norms)
-        self._weights.extend(float(v) for v in weights)
+        self._entries.extend((int(n), float(v), float(w))
+                             for n, v, w in zip(nodes, norms, weights, strict=True))

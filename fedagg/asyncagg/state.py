@@ -18,8 +18,15 @@ FedBuff (Nguyen et al. 2022, Algorithm 1): :meth:`fold` each arriving update wit
 staleness weight, :meth:`apply` the buffer when it is full. An update more than
 ``max_staleness`` versions old is refused (:class:`~fedagg.errors.UpdateRejected`, naming the
 site) and never reaches the model, and so is a norm bomb or capped a lying weight when the
-state has guards (:mod:`fedagg.asyncagg.guards`). Site choices are seeded functions of the counters, so the
-whole run is a deterministic function of the seed and the arrival order.
+state has guards (:mod:`fedagg.asyncagg.guards`). Site choices are seeded functions of the
+counters, so the whole run is a deterministic function of the seed and the arrival order.
+
+**Fair buffers.** A buffer holds at most one update per site (:meth:`fold` refuses a second
+one) and the guard window one entry per site. FedBuff keeps it so without refusing anyone: a
+site whose reply arrived while a buffer is open (folded, refused or failed: :attr:`waiting`)
+is not dispatched again until that buffer is taken, so a site that answers 50 times as fast as
+the others gets one job, and one slot, per buffer, and the versions (hence the staleness of
+the other sites' updates) no longer advance with its speed.
 """
 
 from __future__ import annotations
@@ -155,6 +162,9 @@ class AsyncServerState:
         self.round = 0
         self.round_started = 0.0
         self.now = 0.0
+        self.waiting: set[int] = set()
+        """FedBuff: sites whose reply arrived since the open buffer opened (folded, refused or
+        failed): not dispatched again until the buffer is taken (:meth:`apply`)."""
         self._versions: dict[int, Arrays] = {0: self.model}
 
     # -- dispatch ------------------------------------------------------------------------------
@@ -164,6 +174,10 @@ class AsyncServerState:
         for c in self.cohorts.values():
             out.update(c.members)
         return out
+
+    def in_buffer(self) -> set[int]:
+        """Sites with an update in the open buffer (a buffer holds at most one per site)."""
+        return {e.node for e in self.buffer.entries if e.node >= 0}
 
     def choose(self, free: Iterable[int], k: int, tag: str) -> list[int]:
         """A seeded choice of ``k`` nodes among ``free`` (all of them when ``k >= len``)."""
@@ -235,23 +249,32 @@ class AsyncServerState:
              version: int, weight: float, count: int = 1) -> BufferEntry:
         """Fold one checked update (or a cohort's mean, ``node = -1``) with its staleness weight.
 
-        With :attr:`guards`, the update is first judged against the window of the last accepted
-        updates (delta norm by :func:`fedagg.accumulate.delta_norm`, block-wise): a norm bomb
-        is refused, a lying weight is folded at the cap (the entry's ``weight``; a cohort's sum
-        is never capped: its members' weights are masked), and an accepted update enters the
-        window.
+        A site's second update into the same buffer is refused (one update per site per
+        buffer; the loop does not dispatch a site whose update is in the open buffer). With
+        :attr:`guards`, the update is then judged against the window of the other sites' latest
+        accepted updates (delta norm by :func:`fedagg.accumulate.delta_norm`, block-wise): a
+        norm bomb is refused, a lying weight is folded at the cap (the entry's ``weight``; a
+        cohort's sum is never capped: its members' weights are masked), and an accepted update
+        becomes its site's entry in the window.
 
         Raises
         ------
         UpdateRejected
-            Older than ``max_staleness``, or a norm bomb (nothing is folded).
+            Older than ``max_staleness``, a second update of the site in the open buffer, or a
+            norm bomb (nothing is folded).
         """
         site = f"node {node}" if node >= 0 else f"cohort {job}"
         s = self.admit(version, site)
+        if node >= 0 and int(node) in self.in_buffer():
+            raise UpdateRejected(explain(
+                f"{site}.update", f"job {job}",
+                "must be the site's only update in the open buffer (a buffer holds at most one "
+                "update per site)", "the update is refused and never reaches the model; the "
+                "site is sent the next version once the buffer is taken"))
         verdict = None
         if self.guards is not None:
             verdict = self.guards.judge(delta_norm(delta), float(weight), site=site,
-                                        cap=node >= 0)
+                                        cap=node >= 0, node=int(node) if node >= 0 else -1)
             weight = verdict.weight
         entry = BufferEntry(int(node), int(partition), int(job), int(version), s,
                             float(self.staleness_weight(s)), float(weight), int(count))
@@ -275,6 +298,7 @@ class AsyncServerState:
             The buffer is empty.
         """
         result = self.buffer.take()
+        self.waiting.clear()  # a new buffer: every site may be dispatched again
         before = copy.deepcopy(self.optimizer.state_dict())
         new = self.optimizer.step(self.model, result.delta)
         problem = check(new, self.model) if check is not None else ""
@@ -335,14 +359,16 @@ class AsyncServerState:
             "site_rounds": {str(k): v for k, v in sorted(self.site_rounds.items())},
             "next_job": self.next_job, "next_cohort": self.next_cohort, "round": self.round,
             "round_started": self.round_started, "now": self.now,
+            "waiting": sorted(self.waiting),
             "guard_window": self.guards.state_dict() if self.guards is not None else None,
             "evaluations": [{**asdict(e), "nodes": list(e.nodes)}
                             for e in sorted(self.evaluations.values(), key=lambda e: e.round)],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (one without ``guard_window`` or ``evaluations``,
-        from before they existed, gives an empty window and no evaluation in flight)."""
+        """Restore :meth:`state_dict` output (one without ``guard_window``, ``evaluations`` or
+        ``waiting``, from before they existed, gives an empty window, no evaluation in flight
+        and no site waiting)."""
         self.version = int(state["version"])
         self.model = [np.asarray(a).copy() for a in state["model"]]
         self._versions = {int(v): [np.asarray(a).copy() for a in m]
@@ -362,6 +388,7 @@ class AsyncServerState:
         self.next_job, self.next_cohort = int(state["next_job"]), int(state["next_cohort"])
         self.round, self.round_started = int(state["round"]), float(state["round_started"])
         self.now = float(state["now"])
+        self.waiting = {int(n) for n in state.get("waiting") or []}
         if self.guards is not None:
             self.guards.load_state_dict(state.get("guard_window"))
         self.evaluations = {int(e["round"]): Evaluation(int(e["round"]), int(e["version"]),

@@ -283,10 +283,12 @@ class VoteSupport(SharedSupport):
         """This round's vote table for an (error-compensated) update."""
         flat = flatten(tensors)
         dim = int(flat.shape[0])
-        return self.sketch_for(dim).vote(flat, self._vote_units(dim))
+        return self.sketch_for(dim).vote(flat, self.vote_units(dim))
 
-    def _vote_units(self, dim: int) -> int:
-        """What a site votes for: ``votes_for`` coordinates, or as many blocks."""
+    def vote_units(self, dim: int) -> int:
+        """What one site votes for, its vote budget: ``votes_for`` coordinates, or as many
+        blocks (a block vote's table holds exactly this many ones; a Bloom row at most this
+        many, hashes may collide; a count-min row sums to exactly this)."""
         k = self.votes_for(dim)
         if self.block == 1:
             return k
@@ -297,7 +299,7 @@ class VoteSupport(SharedSupport):
         payload = super().compress(tensors, rng=rng)
         rest = np.array(flatten(tensors), dtype=np.float64, copy=True)
         rest[self.support_for(rest.shape[0])] = 0.0
-        self.last_votes = self.sketch_for(rest.shape[0]).vote(rest, self._vote_units(rest.shape[0]))
+        self.last_votes = self.sketch_for(rest.shape[0]).vote(rest, self.vote_units(rest.shape[0]))
         return payload
 
     def vote_field_bits(self, dim: int, num_sites: int) -> int:

@@ -35,7 +35,7 @@ from fedagg.update.masked import (
     metric_values,
 )
 from fedagg.update.pipeline import SiteUpload, UploadPipeline, delta_of
-from fedagg.update.server import Decoded, RoundDecoder
+from fedagg.update.server import Decoded, RoundDecoder, vote_sum_problem
 from fedagg.update.spec import (
     DOWN_CODECS,
     REVEALING_SUPPORTS,
@@ -71,4 +71,5 @@ __all__ = [
     "masked_layout",
     "metric_values",
     "public_seed",
+    "vote_sum_problem",
 ]

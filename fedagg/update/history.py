@@ -107,6 +107,11 @@ class SupportHistory:
         self.votes = (int(cast_round), table.astype(np.int64))
         self._support = None
 
+    def forget_votes(self) -> None:
+        """Server: the last vote sum was refused; the next round's support is the seeded
+        random one again (as in the first round), until a vote sum is recorded."""
+        self.votes = None
+
     def advance(self, server_round: int, sent: Sequence[NDArray[Any]]) -> None:
         """Server: ``sent`` is the model (as decoded) of ``server_round``.
 

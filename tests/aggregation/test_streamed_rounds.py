@@ -94,12 +94,17 @@ def test_more_corrections_than_kept_refuse_the_round_not_corrupt_it() -> None:
     glob = [np.zeros(50, np.float32)]
     honest = _honest(rng, 5, (50,))
     bombs = [([np.full(50, 1e3 * (k + 1), np.float32)], 100.0) for k in range(2)]
-    s = guarded_fedavg(min_available_nodes=1, stream_retain=1)
+    s = guarded_fedavg(min_available_nodes=1, stream_retain=1, hostile_fraction=0.0)
     assert _round(s, glob, _replies([*honest, *bombs])) is None
     assert "stream_retain" in s.report.refused["server"]
     assert all("norm_outlier_factor" in s.report.refused[str(n)] for n in (6, 7))
-    kept = guarded_fedavg(min_available_nodes=1, stream_retain=2)
+    kept = guarded_fedavg(min_available_nodes=1, stream_retain=2, hostile_fraction=0.0)
     out = _round(kept, glob, _replies([*honest, *bombs]))
+    assert out is not None and np.abs(out[0]).max() < 1.0
+    # the default keeps a quarter of the round's updates (ceil(0.25 x 8) = 2 of the 8 sent)
+    tolerant = guarded_fedavg(min_available_nodes=1, stream_retain=1)
+    assert tolerant.retain_for(7) == 2 and tolerant.retain_for(None) == 1
+    out = _round(tolerant, glob, _replies([*honest, *bombs]))
     assert out is not None and np.abs(out[0]).max() < 1.0
 
 

@@ -49,10 +49,12 @@ def train(w: Sequence[np.ndarray], part: int, rnd: int) -> list[np.ndarray]:
 
 
 def fake_app(bad: Callable[[int, int], str] | None = None,
-             evaluated: list[tuple[int, int, list[np.ndarray]]] | None = None) -> ClientApp:
+             evaluated: list[tuple[int, int, list[np.ndarray]]] | None = None,
+             eval_examples: Mapping[int, float] | None = None) -> ClientApp:
     """The deterministic ClientApp (``bad(part, round)`` may return 'nan', 'shape', 'raise',
     'bomb': a delta 1000x the honest one, 'weight': num-examples = 1e6); every evaluation is
-    appended to ``evaluated`` as ``(part, server-round, model)``."""
+    appended to ``evaluated`` as ``(part, server-round, model)``; ``eval_examples`` replaces
+    the num-examples the given partitions report with their evaluations."""
     app = ClientApp(mods=[fedagg_mod])
 
     @app.train()
@@ -84,8 +86,8 @@ def fake_app(bad: Callable[[int, int], str] | None = None,
         if evaluated is not None:
             rnd = int(msg.content.config_records["config"]["server-round"])  # type: ignore[arg-type]
             evaluated.append((part, rnd, w))
-        metrics = {"num-examples": examples(part), "eval_loss": eval_loss(w, part),
-                   "partition-id": part}
+        n = (eval_examples or {}).get(part, examples(part))
+        metrics = {"num-examples": n, "eval_loss": eval_loss(w, part), "partition-id": part}
         return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
 
     return app
@@ -133,11 +135,15 @@ def naive_fedbuff(w0: list[np.ndarray], n: int, speed: SpeedModel, *, k: int, ve
                   never: Sequence[int] = (), refuse: Container[tuple[int, int]] = (),
                   weights: Mapping[tuple[int, int], float] | None = None
                   ) -> tuple[list[list[np.ndarray]], list[tuple]]:
-    """FedBuff with C = N, as a discrete-event simulation (sites never in ``never`` reply).
+    """FedBuff with C = N and fair buffers, as a discrete-event simulation (sites in ``never``
+    never reply).
 
-    The updates of ``(site, round)`` in ``refuse`` are dropped on arrival (the site is sent the
-    newest model again, as after a staleness refusal); ``weights`` replaces the example weight
-    of the given ``(site, round)`` updates.
+    Fair buffers: a site whose reply arrived while a buffer is open (folded or refused) is sent
+    the newest model only once that buffer is applied (one job, hence at most one update, per
+    site per buffer); when every site that replies is waiting, the buffer is applied with what
+    it holds. The updates of ``(site, round)`` in ``refuse`` are dropped on arrival (as after a
+    staleness refusal); ``weights`` replaces the example weight of the given ``(site, round)``
+    updates.
 
     Returns the model of every version and the event log ``(time, part, staleness, refused)``.
     """
@@ -157,32 +163,51 @@ def naive_fedbuff(w0: list[np.ndarray], n: int, speed: SpeedModel, *, k: int, ve
     for part in range(n):
         send(part, 0.0)
     buffer: list[tuple[float, float, list[np.ndarray]]] = []
+    waiting: list[int] = []
     log = []
+
+    def take(t: float) -> None:
+        nonlocal buffer
+        norm = sum(e[1] for e in buffer)
+        mean = []
+        for j in range(len(w0)):
+            acc = None
+            for sc, ex, d in buffer:
+                term = sc * ex * d[j]
+                acc = term if acc is None else acc + term
+            mean.append(acc / norm)
+        cur = models[-1]
+        models.append([(x + (lr * m if lr != 1.0 else m)).astype(np.float32)
+                       for x, m in zip(cur, mean, strict=True)])
+        buffer = []
+        release(t)
+
+    def release(t: float) -> None:
+        for p in sorted(waiting):
+            send(p, t)
+        waiting.clear()
+
+    replying = [p for p in range(n) if p not in never]
     while len(models) - 1 < versions and heap:
         t, _, part, v, rnd = heapq.heappop(heap)
         s = len(models) - 1 - v
         refused = (max_staleness is not None and s > max_staleness) or (part, rnd) in refuse
         log.append((t, part, s, refused))
+        waiting.append(part)
         if not refused:
             sent = models[v]
             delta = [np.asarray(a, np.float64) - np.asarray(b, np.float64)
                      for a, b in zip(train(sent, part, rnd), sent, strict=True)]
-            n = (weights or {}).get((part, rnd), float(examples(part)))
-            buffer.append((weight(s), n, delta))
+            n_ex = (weights or {}).get((part, rnd), float(examples(part)))
+            buffer.append((weight(s), n_ex, delta))
             if len(buffer) == k:
-                norm = sum(e[1] for e in buffer)
-                mean = []
-                for j in range(len(w0)):
-                    acc = None
-                    for sc, ex, d in buffer:
-                        term = sc * ex * d[j]
-                        acc = term if acc is None else acc + term
-                    mean.append(acc / norm)
-                cur = models[-1]
-                models.append([(x + (lr * m if lr != 1.0 else m)).astype(np.float32)
-                               for x, m in zip(cur, mean, strict=True)])
-                buffer = []
-        send(part, t)
+                take(t)
+                continue
+        if set(replying) <= set(waiting):
+            if buffer:
+                take(t)
+            else:
+                release(t)
     return models, log
 
 

@@ -261,3 +261,38 @@ def test_an_open_evaluation_is_sent_again_after_a_resume(tmp_path: Path) -> None
     assert _training(recs) == _training(want)
     assert [r.get("federated_eval") for r in recs] == [r.get("federated_eval") for r in want]
     assert recs[3].get("federated_eval")
+
+
+@pytest.mark.parametrize("extra, replies", [(("asynchronous.concurrency=2",), 4),
+                                            (("asynchronous.concurrency=5",), 2)],
+                         ids=["4-replies", "2-replies"])
+def test_an_evaluation_weight_of_1e300_is_capped_as_training_weights_are(
+        extra: tuple[str, ...], replies: int) -> None:
+    """Site 1 claims 1e300 examples with each evaluation: without a cap the example-weighted
+    mean is its own eval_loss. Its weight is capped at max_weight_ratio x the median (of the
+    evaluation's weights; with fewer than three replies, of them and the training weights of
+    the guard window), named in federated_eval_capped, and the recorded mean is the weighted
+    mean with the capped weight."""
+    liar, ratio = 1, 10.0
+    evaluated: list[tuple[int, int, list[np.ndarray]]] = []
+    recs, _, grid = run(_cfg("run.fraction_evaluate=1.0", *extra), SPEED,
+                        app=fake_app(evaluated=evaluated, eval_examples={liar: 1e300}))
+    node = str(grid.node_ids[liar])
+    lied = [r for r in recs if any(p == liar and v == r["version"] for p, v, _ in evaluated)
+            and "federated_eval" in r]
+    assert lied, "the liar should have evaluated some version"
+    for r in lied:
+        mine = [(p, w) for p, v, w in evaluated if v == r["version"]]
+        assert len(mine) == replies  # C = 2: 4 sites idle; C = 5: the buffer's 2
+        assert node in r.get("federated_eval_capped", {}), r
+        note = r["federated_eval_capped"][node]
+        cap = float(note.split(" capped to ")[1].split(" ")[0])
+        honest = [examples(p) for p, _ in mine if p != liar]
+        reference = honest if len(mine) >= 3 else [*honest, *(examples(p) for p in range(N))]
+        assert cap <= ratio * max(reference)  # never the liar's 1e300
+        weights = [cap if p == liar else examples(p) for p, _ in mine]
+        want = sum(n * eval_loss(w, p) for n, (p, w) in zip(weights, mine, strict=True)) / sum(
+            weights)
+        assert r["federated_eval"]["eval_loss"] == pytest.approx(want, rel=1e-9)
+        assert r["federated_eval"]["eval_loss"] != pytest.approx(
+            eval_loss(next(w for p, w in mine if p == liar), liar), rel=1e-6)

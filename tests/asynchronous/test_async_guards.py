@@ -50,56 +50,92 @@ def _close(got: list[list[np.ndarray]], want: list[list[np.ndarray]]) -> bool:
 
 
 # -- the window, against a naive reference ---------------------------------------------------------
-def naive_judge(window: list[tuple[float, float]], norm: float, weight: float, *, size: int,
+def naive_judge(window: list[tuple[int, float, float]], node: int, norm: float, weight: float, *,
                 factor: float, ratio: float) -> float | None:
-    """The weight to fold with, or None (refused): the synchronous rule on window + arrival."""
-    recent = window[-size:]
-    if len(recent) < MEDIAN_MIN_UPDATES:
+    """The weight to fold with, or None (refused): the synchronous rule on a round made of the
+    window's entries of the other sites and the arriving update."""
+    others = [(n, w) for site, n, w in window if site != node]
+    norms = [n for n, _ in others] + [norm]
+    if len(norms) < MEDIAN_MIN_UPDATES:
         return weight
-    norms = [n for n, _ in recent] + [norm]
     if factor > 0 and norm > factor * statistics.median(norms):
         return None
-    weights = [w for _, w in recent] + [weight]
+    weights = [w for _, w in others] + [weight]
     cap = ratio * statistics.median(weights)
     return min(weight, cap) if ratio > 0 else weight
 
 
-@given(arrivals=st.lists(st.tuples(st.floats(0.0, 1e4), st.floats(0.5, 1e6)), max_size=60),
+def naive_accept(window: list[tuple[int, float, float]], node: int, norm: float, weight: float,
+                 size: int) -> list[tuple[int, float, float]]:
+    """The window after an accepted update: the site's entry replaced and made the newest, the
+    oldest dropped beyond ``size``."""
+    kept = [e for e in window if e[0] != node] + [(node, norm, weight)]
+    return kept[-size:]
+
+
+@given(arrivals=st.lists(st.tuples(st.integers(0, 6), st.floats(0.0, 1e4), st.floats(0.5, 1e6)),
+                         max_size=60),
        size=st.integers(3, 12), factor=st.sampled_from([0.0, 1.5, 10.0]),
        ratio=st.sampled_from([0.0, 2.0, 10.0]))
 @settings(max_examples=80, deadline=None)
 def test_window_decisions_equal_the_naive_sliding_round(
-        arrivals: list[tuple[float, float]], size: int, factor: float, ratio: float) -> None:
+        arrivals: list[tuple[int, float, float]], size: int, factor: float, ratio: float) -> None:
     g = GuardWindow(size, norm_outlier_factor=factor, max_weight_ratio=ratio)
-    accepted: list[tuple[float, float]] = []
-    for norm, weight in arrivals:
-        want = naive_judge(accepted, norm, weight, size=size, factor=factor, ratio=ratio)
+    window: list[tuple[int, float, float]] = []
+    for node, norm, weight in arrivals:
+        want = naive_judge(window, node, norm, weight, factor=factor, ratio=ratio)
         try:
-            v = g.judge(norm, weight, site="node 1")
+            v = g.judge(norm, weight, site=f"node {node}", node=node)
         except UpdateRejected as exc:
             assert want is None, exc
-            assert "node 1.delta_norm" in str(exc) and "norm_outlier_factor" in str(exc)
+            assert f"node {node}.delta_norm" in str(exc) and "norm_outlier_factor" in str(exc)
             continue
         assert want is not None and v.weight == pytest.approx(want, rel=1e-12)
         g.accept(v)
-        accepted.append((norm, v.weight))
-        assert len(g) == min(len(accepted), size)
+        window = naive_accept(window, node, norm, v.weight, size)
+        assert g.nodes == [e[0] for e in window]  # one entry per site, newest last
+        assert g.weights == pytest.approx([e[2] for e in window], rel=1e-12)
 
 
-def test_window_needs_three_accepted_updates_and_refuses_a_non_finite_norm_always() -> None:
+def test_window_acts_on_a_round_of_three_sites_and_refuses_a_non_finite_norm_always() -> None:
     g = GuardWindow(5)
-    for _ in range(MEDIAN_MIN_UPDATES - 1):
-        g.accept(g.judge(1.0, 10.0, site="node 1"))
-    assert not g.active
-    assert g.judge(1e6, 1e9, site="node 2").weight == 1e9  # too few to compare against
+    g.accept(g.judge(1.0, 10.0, site="node 1", node=1))
+    assert g.judge(1e6, 1e9, site="node 2", node=2).weight == 1e9  # a round of 2: too few
     with pytest.raises(UpdateRejected, match="must be finite"):
-        g.judge(math.inf, 10.0, site="node 2")
-    g.accept(g.judge(1.0, 10.0, site="node 1"))
-    with pytest.raises(UpdateRejected, match=r"node 2\.delta_norm = 11.*10 x 1\b"):
-        g.judge(11.0, 10.0, site="node 2")
-    v = g.judge(9.0, 1e9, site="node 2")
+        g.judge(math.inf, 10.0, site="node 2", node=2)
+    for _ in range(5):  # one site's stream is one value of the round, however long
+        g.accept(g.judge(1.0, 10.0, site="node 1", node=1))
+    assert len(g) == 1 and g.judge(1e6, 1e9, site="node 2", node=2).weight == 1e9
+    g.accept(g.judge(1.0, 10.0, site="node 3", node=3))
+    with pytest.raises(UpdateRejected, match=r"node 2\.delta_norm = 11.*2 other site.*10 x 1\b"):
+        g.judge(11.0, 10.0, site="node 2", node=2)
+    v = g.judge(9.0, 1e9, site="node 2", node=2)
     assert v.capped and v.weight == 100.0 and v.reported == 1e9
     assert not g.judge(9.0, 1e9, site="cohort 3", cap=False).capped  # a secure cohort's sum
+    # a site is not judged against its own earlier update: node 3 is one value of its round
+    g.accept(g.judge(1.0, 10.0, site="node 2", node=2))
+    assert g.nodes == [1, 3, 2]
+    with pytest.raises(UpdateRejected):
+        g.judge(11.0, 10.0, site="node 3", node=3)
+
+
+def test_one_site_cannot_walk_the_window() -> None:
+    """A site that answers far more often than the others raises its norm and weight by 1.15x
+    per update: it stays one value of the median, so its updates are refused once above 10 x
+    the other sites' median norm and its weight stays capped at 10 x their median weight."""
+    g = GuardWindow(20)
+    for site in range(1, 6):
+        g.accept(g.judge(1.0, 20.0, site=f"node {site}", node=site))
+    folded = []
+    for i in range(200):
+        try:
+            v = g.judge(1.15 ** i, 20.0 * 1.15 ** i, site="node 9", node=9)
+        except UpdateRejected:
+            continue
+        g.accept(v)
+        folded.append((v.norm, v.weight))
+    assert max(n for n, _ in folded) <= 10.0 and max(w for _, w in folded) <= 200.0
+    assert sorted(g.nodes) == [1, 2, 3, 4, 5, 9]
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -140,7 +176,8 @@ def test_window_is_in_the_state_dict_and_old_checkpoints_load_with_an_empty_one(
     with pytest.raises(UpdateRejected):  # the restored window refuses the bomb
         other.fold([np.full(3, 1e3)], node=9, partition=9, job=9, version=other.version,
                    weight=10.0)
-    old = {k: v for k, v in saved.items() if k not in ("guard_window", "evaluations")}
+    old = {k: v for k, v in saved.items() if k not in ("guard_window", "evaluations",
+                                                      "waiting")}
     fresh = _state(GuardWindow(4))
     fresh.load_state_dict(old)  # a checkpoint from before the window existed
     assert fresh.guards is not None and len(fresh.guards) == 0 and not fresh.evaluations

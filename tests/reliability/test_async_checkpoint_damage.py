@@ -140,12 +140,13 @@ def _set(*path: Any, value: Any) -> Edit:
     return _a(edit)
 
 
-def _entry(st: State, **changes: Any) -> dict[str, Any]:
-    """A buffer entry as the loop would have folded it last (the guard window's newest)."""
-    node = int(next(iter(st["site_rounds"])))
+def _entry(st: State, back: int = 1, **changes: Any) -> dict[str, Any]:
+    """A buffer entry as the loop would have folded it (the guard window's ``back``-th newest:
+    its site and weight)."""
     w = st["guard_window"]
+    node = int(w["nodes"][-back]) if "nodes" in w else int(next(iter(st["site_rounds"])))
     e = {"node": node, "partition": 0, "job": 1, "version": st["version"], "staleness": 0,
-         "scale": 1.0, "weight": float(w["weights"][-1]), "count": 1}
+         "scale": 1.0, "weight": float(w["weights"][-back]), "count": 1}
     e.update(changes)
     return e
 
@@ -194,8 +195,8 @@ def _unkept_job_version(st: State) -> None:
 
 def _full_buffer(st: State) -> None:
     """K = 3 updates, each as the window remembers it: a full buffer is never checkpointed."""
-    weights = st["guard_window"]["weights"][-3:]
-    entries = [_entry(st, job=i + 1, weight=float(w)) for i, w in enumerate(weights)]
+    entries = [_entry(st, 3 - i, job=i + 1) for i in range(3)]
+    weights = [e["weight"] for e in entries]
     st["buffer"].update(entries=entries, norm=float(sum(weights)),
                         sum=[np.zeros(np.shape(a)) for a in st["model"]])
 
@@ -319,9 +320,25 @@ CASES: list[tuple[str, str, Edit, str]] = [
     ("deadline-entry-version-ahead", "deadline",
      _a(lambda st: st["buffer"]["entries"][0].update(version=st["version"] + 1)), ".version]"),
     ("deadline-round-far-ahead", "deadline", _set("round", value=9), ".round]"),
+    ("waiting-a-string", "fedbuff", _set("waiting", value=["x"]), ".waiting[0]]"),
+    ("waiting-unsorted", "fedbuff", _set("waiting", value=[5, 3]), ".waiting]"),
+    ("waiting-in-deadline-rounds", "deadline", _set("waiting", value=[3]), ".waiting]"),
+    ("guard-window-a-site-twice", "fedbuff",
+     _set("guard_window", "nodes", value=lambda n: [n[-1]] * len(n)), ".guard_window.nodes]"),
+    ("guard-window-nodes-short", "fedbuff",
+     _set("guard_window", "nodes", value=lambda n: n[:-1]), ".guard_window.nodes]"),
+    ("guard-window-a-cohort-in-plaintext", "fedbuff",
+     _set("guard_window", "nodes", 0, value=-1), ".guard_window.nodes]"),
+    ("deadline-buffer-two-updates-of-one-site", "deadline",
+     _a(lambda st: st["buffer"]["entries"][1].update(node=st["buffer"]["entries"][0]["node"])),
+     ".buffer.entries]"),
+    ("deadline-entry-not-the-windows-site", "deadline",
+     _a(lambda st: st["buffer"]["entries"][0].update(
+         node=max(e["node"] for e in st["buffer"]["entries"]) + 1)), ".buffer.entries[0].node]"),
     ("deadline-guard-window-without-the-buffers-updates", "deadline",
      _set("guard_window", value=lambda w: {**w, "norms": w["norms"][:1],
-                                           "weights": w["weights"][:1]}), ".guard_window]"),
+                                           "weights": w["weights"][:1],
+                                           "nodes": w["nodes"][:1]}), ".guard_window]"),
 ]
 
 

@@ -325,7 +325,7 @@ def test_decoder_reject_restores_fetchsgd_and_drops_votes() -> None:
         RoundDecoder(h2).load_state_dict(saved)
 
 
-def test_vote_counts_above_the_number_of_sites_are_refused() -> None:
+def test_vote_counts_above_the_number_of_sites_refuse_the_votes() -> None:
     spec = UploadSpec.parse("vote:10,rows=2,cols=32+ef", secure=True)
     history = SupportHistory(spec, 1)
     history.advance(1, [np.zeros(DIM, np.float32)])
@@ -334,13 +334,18 @@ def test_vote_counts_above_the_number_of_sites_are_refused() -> None:
     assert vote is not None and layout.vote_bits == 3
     total = np.zeros(layout.dim + 1, np.uint32)
     total[layout.values] = 6  # a counter of 6 "sites" in a round of 5 (fits its 3-bit field)
-    with pytest.raises(ProtocolError, match="at most 5 sites"):
-        RoundDecoder(history).decode(layout, np.zeros(layout.dim), total, dim=DIM, num_sites=5,
-                                     ring_bits=32)
-    total[layout.values] = 5
+    total[layout.values + 3] = 5 << 6  # row 1's first counter: 10 counters per element
+    decoder = RoundDecoder(history)
+    bad = decoder.decode(layout, np.zeros(layout.dim), total, dim=DIM, num_sites=5,
+                         ring_bits=32)
+    assert bad.votes is None and "vote sum counter = 6: must be in [0, 5]" in bad.vote_problem
+    decoder.accept()  # the round's values count; its votes are forgotten
+    assert history.votes is None
+    total[layout.values] = 5  # five sites that each voted for coordinates hashed there
     ok = RoundDecoder(history).decode(layout, np.zeros(layout.dim), total, dim=DIM,
                                       num_sites=5, ring_bits=32)
-    assert ok.votes is not None and int(ok.votes[0, 0]) == 5
+    assert ok.vote_problem == "" and ok.votes is not None
+    assert int(ok.votes[0, 0]) == 5 and int(ok.votes[1, 0]) == 5
 
 
 @pytest.mark.parametrize(("table", "cast", "words"), [
