@@ -121,7 +121,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     preflight(cfg)  # what would fail in round 1 fails here, before the engine starts
     if args.resume:  # a refused resume: exit 2 before the engine starts, nothing written
         if cfg.asynchronous.mode != "off":  # FedBuff / deadline: the asynchronous state
-            from server.async_records import check_async_resume
+            from server.asynchronous import check_async_resume
 
             check_async_resume(cfg)
         else:

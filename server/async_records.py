@@ -12,7 +12,7 @@ that keeps its records and everything it writes:
   the round callback and the atomic checkpoint of the whole state after every applied buffer;
 * :meth:`RunRecorder.resume` — the state, records and run id from a checkpoint
   (:meth:`RunRecorder.load_checkpoint`: every field validated first,
-  :func:`check_async_resume` runs it before an engine starts), and the in-flight dispatches
+  :func:`server.asynchronous.check_async_resume` runs it before an engine starts), and the in-flight dispatches
   and federated evaluations sent again (at their original times on a virtual clock, so the
   run replays the same arrival order and versions; a cohort re-keys);
   :meth:`RunRecorder.finish` — ``model.npz`` / ``model.pt``, the plot, and a failed run when
@@ -54,7 +54,7 @@ from server.runner import (
 )
 from strategies.wire import arrays_to_record, record_to_arrays
 
-__all__ = ["RunRecorder", "Tally", "check_async_resume"]
+__all__ = ["RunRecorder", "Tally"]
 
 _log = logging.getLogger("server.asynchronous")  # the name these records had before the split
 
@@ -243,7 +243,7 @@ class RunRecorder:
     def load_checkpoint(self) -> Checkpoint:
         """The checkpoint ``run.resume`` points at, validated and loaded into the run's state.
 
-        Nothing is sent and nothing is written: :func:`check_async_resume` runs exactly this
+        Nothing is sent and nothing is written: :func:`server.asynchronous.check_async_resume` runs exactly this
         before an engine starts. Every field of the asynchronous state is checked first
         (:func:`server.checkpoint.check_async_state`); a state that then fails to load is
         refused too.
@@ -382,23 +382,3 @@ class RunRecorder:
                             + "\n  ".join(summaries[-10:] or ["(no update arrived)"]),
                             self.records)
 
-
-def check_async_resume(cfg: RunConfig, *, model_fn: ModelFn | None = None) -> Checkpoint:
-    """What a resume of the asynchronous run ``cfg`` would load, checked before any engine
-    starts (nothing is sent or written).
-
-    ``fedagg simulate --resume`` calls it for a FedBuff or deadline run (the synchronous
-    :func:`server.runner.check_resume` would hand the asynchronous state to a synchronous
-    strategy), so that a refused resume exits with status 2 and an intact one goes on.
-
-    Raises
-    ------
-    CheckpointError
-        As :meth:`RunRecorder.load_checkpoint`.
-    ConfigError
-        A configuration the asynchronous loop cannot run.
-    """
-    from server.asynchronous import AsyncRun
-
-    run = AsyncRun(None, cfg, None, None, model_fn, None)  # type: ignore[arg-type]
-    return run.recorder.load_checkpoint()

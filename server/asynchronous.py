@@ -85,6 +85,7 @@ from server.async_dispatch import (
 )
 from server.async_evaluate import AsyncEvaluation, mismatch
 from server.async_records import RunRecorder
+from server.checkpoint import Checkpoint
 from server.runner import (
     EvaluateFn,
     ModelFn,
@@ -100,7 +101,7 @@ from strategies.secure import SecureAggregation
 from strategies.update import partition_of
 from strategies.wire import message_nbytes, record_to_arrays
 
-__all__ = ["AsyncRun", "run_async_server"]
+__all__ = ["AsyncRun", "check_async_resume", "run_async_server"]
 
 _log = logging.getLogger(__name__)
 _KILL_ENV = "FEDAGG_TEST_KILL_AT"  # "<round>:after-apply" or "arrival:<n>" (tests)
@@ -520,3 +521,22 @@ def run_async_server(grid: Grid, cfg: RunConfig, run_dir: str | Path | None, *,
         No buffer changed the model, or the run stalled.
     """
     return AsyncRun(grid, cfg, run_dir, on_round, model_fn, evaluate_fn).run()
+
+
+def check_async_resume(cfg: RunConfig, *, model_fn: ModelFn | None = None) -> Checkpoint:
+    """What a resume of the asynchronous run ``cfg`` would load, checked before any engine
+    starts (nothing is sent or written).
+
+    ``fedagg simulate --resume`` calls it for a FedBuff or deadline run (the synchronous
+    :func:`server.runner.check_resume` would hand the asynchronous state to a synchronous
+    strategy), so that a refused resume exits with status 2 and an intact one goes on.
+
+    Raises
+    ------
+    CheckpointError
+        As :meth:`RunRecorder.load_checkpoint`.
+    ConfigError
+        A configuration the asynchronous loop cannot run.
+    """
+    run = AsyncRun(None, cfg, None, None, model_fn, None)  # type: ignore[arg-type]
+    return run.recorder.load_checkpoint()

@@ -147,9 +147,8 @@ class FedAvg(FedaggStrategy, FlowerFedAvg):
     """
 
     aggregates_linearly: ClassVar[bool] = True
-    # Flower's own method (not overridden): it asks _check_and_log_replies what to average.
-    aggregate_train = FlowerFedAvg.aggregate_train
-    aggregate_evaluate = FlowerFedAvg.aggregate_evaluate
+    # aggregate_train / aggregate_evaluate are Flower's own methods (not overridden, found
+    # through the MRO): they ask _check_and_log_replies what to average.
 
     def __init__(self, fraction_train: float = 1.0, fraction_evaluate: float = 1.0,
                  min_train_nodes: int = 2, min_evaluate_nodes: int = 2,

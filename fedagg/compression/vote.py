@@ -38,8 +38,9 @@ the number of sites, so a counter needs only ``ceil(log2(N + 1))`` bits
 the values' vector (:func:`fedagg.compression.ring.pack_counters`: sums never carry across
 fields), so one secure sum carries both parts; :func:`round_nbytes` accounts for every byte.
 
-The vote tables (:class:`VoteSketch`, :class:`BlockVote`) are in
-:mod:`fedagg.compression.vote_tables`, and re-exported here.
+The vote tables (:class:`~fedagg.compression.vote_tables.VoteSketch`,
+:class:`~fedagg.compression.vote_tables.BlockVote`) are in
+:mod:`fedagg.compression.vote_tables`.
 
 References
 ----------
@@ -74,8 +75,6 @@ from fedagg.compression.vote_tables import BlockVote, VoteMode, VoteSketch
 from fedagg.errors import ConfigError, explain
 
 __all__ = [
-    "BlockVote",
-    "VoteSketch",
     "VoteSupport",
     "find_vote_support",
     "round_nbytes",

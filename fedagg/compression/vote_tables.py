@@ -12,7 +12,7 @@ Both pick the support from the summed table, ties broken by a public per-round S
 priority, optionally with a share drawn at random from the rest.
 :class:`fedagg.compression.vote.VoteSupport` uses either (the module docstring of
 :mod:`fedagg.compression.vote` describes the whole scheme); both names are importable from
-:mod:`fedagg.compression.vote` and :mod:`fedagg.compression` as well.
+:mod:`fedagg.compression` as well.
 
 References
 ----------

@@ -156,7 +156,8 @@ class SecretKey:
     def __repr__(self) -> str:
         return "SecretKey(<redacted>)"
 
-    __str__ = __repr__
+    def __str__(self) -> str:
+        return repr(self)
 
     def __reduce__(self) -> str | tuple[object, ...]:
         raise TypeError("SecretKey cannot be pickled; use secret_bytes() explicitly")

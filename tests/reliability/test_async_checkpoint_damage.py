@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 from fedagg.cli import main as cli_main
 from fedagg.config import RunConfig, apply_overrides, validate_model
 from fedagg.errors import CheckpointError, FedaggError
-from server.async_records import check_async_resume
+from server.asynchronous import check_async_resume
 from server.checkpoint import CHECKPOINT_NAME, _encode, _write, load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
