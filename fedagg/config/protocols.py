@@ -2,8 +2,8 @@
 ``[asynchronous]`` (FedBuff, deadline rounds).
 
 Frozen pydantic models with ``extra="forbid"``, like the other sections
-(:mod:`fedagg.config_sections`); :class:`fedagg.config.RunConfig` holds one of each, and every
-name here is importable from :mod:`fedagg.config` as well.
+(:mod:`fedagg.config.sections`); :class:`fedagg.config.RunConfig` holds one of each, and every
+name here is importable from the package :mod:`fedagg.config` as well.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from pydantic import Field, field_validator, model_validator
 
 from fedagg.aggregate import MEDIAN_MIN_UPDATES
 from fedagg.asyncagg.guards import DEFAULT_GUARD_WINDOW
-from fedagg.config_sections import _Section
+from fedagg.config.sections import Section
 
 __all__ = ["AsynchronousConfig", "CompressionConfig", "SecAggConfig"]
 
 
-class CompressionConfig(_Section):
+class CompressionConfig(Section):
     """Upward / downward update compression."""
 
     up: str = Field(
@@ -34,7 +34,7 @@ class CompressionConfig(_Section):
     )
 
 
-class SecAggConfig(_Section):
+class SecAggConfig(Section):
     """Secure aggregation, SecAgg+ (used by the 'secure' strategy; docs/protocols/secagg.md)."""
 
     threshold: float = Field(
@@ -113,7 +113,7 @@ class SecAggConfig(_Section):
         return min(k, int(self.threshold * k) + 1)
 
 
-class AsynchronousConfig(_Section):
+class AsynchronousConfig(Section):
     """Asynchronous and semi-asynchronous aggregation: FedBuff, deadline rounds (docs/asynchronous.md).
 
     With ``mode = "fedbuff"`` or ``"deadline"`` the server runs the asynchronous loop

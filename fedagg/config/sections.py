@@ -3,10 +3,10 @@
 ``[run]``, ``[data]``, ``[model]``, ``[train]``, ``[strategy]``, ``[site]``, ``[faults]`` and
 ``[simulation]``.
 
-Each section is a frozen pydantic model with ``extra="forbid"`` (``_Section``). The sections of
-the update protocols (``[compression]``, ``[secagg]``, ``[asynchronous]``) are in
-:mod:`fedagg.config_protocols`; :class:`fedagg.config.RunConfig` puts them all together, and
-every name here is importable from :mod:`fedagg.config` as well.
+Each section is a frozen pydantic model with ``extra="forbid"`` (:class:`Section`). The
+sections of the update protocols (``[compression]``, ``[secagg]``, ``[asynchronous]``) are in
+:mod:`fedagg.config.protocols`; :class:`fedagg.config.RunConfig` puts them all together, and
+every name here is importable from the package :mod:`fedagg.config` as well.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ __all__ = [
     "FaultsConfig",
     "ModelConfig",
     "RunSection",
+    "Section",
     "SimulationConfig",
     "SiteConfig",
     "StrategyConfig",
@@ -47,11 +48,13 @@ def _refuse_tree_strategy(name: str) -> None:
         )
 
 
-class _Section(BaseModel):
+class Section(BaseModel):
+    """The base of every section: frozen, unknown keys refused, fields by name or alias."""
+
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
-class RunSection(_Section):
+class RunSection(Section):
     """Run-wide settings."""
 
     name: str = Field("fedagg", description="Run name, used in the run directory name.")
@@ -112,7 +115,7 @@ class RunSection(_Section):
     )
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     """Data set and partitioning."""
 
     dataset: Literal["digits", "fashion-mnist"] = Field("digits", description="Data set name.")
@@ -140,7 +143,7 @@ class DataConfig(_Section):
     )
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """Model architecture."""
 
     name: Literal["mlp", "2nn", "cnn", "logreg", "resnet", "wide"] = Field(
@@ -164,7 +167,7 @@ class ModelConfig(_Section):
         return self
 
 
-class TrainConfig(_Section):
+class TrainConfig(Section):
     """Local training at each site."""
 
     local_epochs: int = Field(5, ge=1, le=1000, description="Local epochs per round.")
@@ -173,7 +176,7 @@ class TrainConfig(_Section):
     momentum: float = Field(0.0, ge=0, lt=1, description="Local SGD momentum.")
 
 
-class StrategyConfig(_Section):
+class StrategyConfig(Section):
     """Server-side aggregation strategy."""
 
     name: str = Field(
@@ -288,7 +291,7 @@ class StrategyConfig(_Section):
         return self
 
 
-class SiteConfig(_Section):
+class SiteConfig(Section):
     """Local workers of each site (intra-site data parallelism)."""
 
     workers: int = Field(1, ge=1, le=512, description="Local workers per site.")
@@ -340,7 +343,7 @@ class SiteConfig(_Section):
     )
 
 
-class FaultsConfig(_Section):
+class FaultsConfig(Section):
     """Fault injection for tests and drills (all off by default). Sites are partition ids."""
 
     crash_site: int | None = Field(None, ge=0, description="This site fails (raises) in crash_round at crash_stage.")
@@ -361,7 +364,7 @@ class FaultsConfig(_Section):
         1, ge=0, description="Optimizer steps completed in the round before the worker fault strikes.")
 
 
-class SimulationConfig(_Section):
+class SimulationConfig(Section):
     """Flower simulation engine resources."""
 
     num_cpus: float = Field(1.0, gt=0, description="CPUs reserved per simulated ClientApp (Ray).")

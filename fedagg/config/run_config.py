@@ -1,0 +1,111 @@
+"""One run's configuration: :class:`RunConfig` (every section), read from a TOML file with
+``key=value`` overrides and validated (:func:`load_config`), and its hash for resume checks.
+
+A TOML file's tables are the sections (``[run]``, ``[data]``, ``[model]``, ``[train]``,
+``[strategy]``, ``[site]``, ``[compression]``, ``[secagg]``, ``[faults]``, ``[simulation]``,
+``[asynchronous]``: :mod:`fedagg.config.sections`, :mod:`fedagg.config.protocols`), overridden
+by dotted ``key=value`` pairs (``train.lr=0.05``, :mod:`fedagg.config.overrides`) and validated
+with ``extra="forbid"``; every validation error is a :class:`~fedagg.errors.ConfigError`
+naming the field, the bad value, the rule and the fix (:mod:`fedagg.config.validation`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import tomllib
+from pydantic import Field, model_validator
+
+from fedagg.config.overrides import apply_overrides, flatten
+from fedagg.config.protocols import AsynchronousConfig, CompressionConfig, SecAggConfig
+from fedagg.config.sections import (
+    DataConfig,
+    FaultsConfig,
+    ModelConfig,
+    RunSection,
+    Section,
+    SimulationConfig,
+    SiteConfig,
+    StrategyConfig,
+    TrainConfig,
+)
+from fedagg.config.validation import validate_model
+from fedagg.errors import ConfigError, explain
+
+__all__ = ["RunConfig", "config_hash", "load_config"]
+
+
+class RunConfig(Section):
+    """The whole run configuration."""
+
+    run: RunSection = Field(default_factory=RunSection)  # type: ignore[arg-type]
+    data: DataConfig = Field(default_factory=DataConfig)  # type: ignore[arg-type]
+    model: ModelConfig = Field(default_factory=ModelConfig)  # type: ignore[arg-type]
+    train: TrainConfig = Field(default_factory=TrainConfig)  # type: ignore[arg-type]
+    strategy: StrategyConfig = Field(default_factory=StrategyConfig)  # type: ignore[arg-type]
+    site: SiteConfig = Field(default_factory=SiteConfig)  # type: ignore[arg-type]
+    compression: CompressionConfig = Field(default_factory=CompressionConfig)  # type: ignore[arg-type]
+    secagg: SecAggConfig = Field(default_factory=SecAggConfig)  # type: ignore[arg-type]
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)  # type: ignore[arg-type]
+    simulation: SimulationConfig = Field(default_factory=SimulationConfig)  # type: ignore[arg-type]
+    asynchronous: AsynchronousConfig = Field(default_factory=AsynchronousConfig)  # type: ignore[arg-type]
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RunConfig:
+        if self.run.min_sites > self.run.sites:
+            raise ValueError(
+                f"run.min_sites ({self.run.min_sites}) must be <= run.sites ({self.run.sites}); "
+                "lower run.min_sites or add sites"
+            )
+        return self
+
+
+def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> RunConfig:
+    """Read a TOML file (optional), apply overrides, validate.
+
+    Raises
+    ------
+    ConfigError
+        Unreadable file, bad TOML, unknown keys or out-of-range values.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(
+                explain(
+                    "--config", str(p), "does not exist", "give the path of an existing TOML file"
+                )
+            ) from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(
+                explain(
+                    "--config",
+                    str(p),
+                    f"is not valid TOML ({exc})",
+                    "fix the TOML syntax at the position shown",
+                )
+            ) from None
+    data = apply_overrides(data, overrides)
+    result: RunConfig = validate_model(RunConfig, data)
+    return result
+
+
+def config_hash(
+    cfg: RunConfig,
+    *,
+    exclude: Iterable[str] = (
+        "run.rounds", "run.output_dir", "run.name", "run.resume", "run.checkpoint",
+    ),
+) -> str:
+    """SHA-256 of the canonical JSON of everything that changes results (for resume checks)."""
+    flat = flatten(cfg.model_dump(mode="json"))
+    for key in exclude:
+        flat.pop(key, None)
+    return hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()
