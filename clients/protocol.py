@@ -30,6 +30,7 @@ site's secret keys (``"fedagg.secagg-state"`` / ``"-arrays"``; never logged).
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 from collections.abc import Callable
@@ -42,6 +43,7 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, 
 from clients import carry
 from fedagg.compression import codec
 from fedagg.errors import ProtocolError, explain
+from fedagg.privacy import DdgEncoder, rotation_seed, round_params
 from fedagg.secagg import (
     ClientState,
     KeyAdvertiseRequest,
@@ -53,6 +55,7 @@ from fedagg.secagg import (
 from fedagg.secagg import Message as SecAggMessage
 from fedagg.secagg.keys import round_binding
 from fedagg.update import (
+    PrivateEncoding,
     SecAggMasker,
     SiteUpload,
     SupportHistory,
@@ -67,10 +70,12 @@ from strategies.wire import (
     INSTRUCTION_KEY,
     PARAMS_KEY,
     PREVIOUS_KEY,
+    PRIVACY_KEY,
     REPLY_KEY,
     VOTES_KEY,
     CarryRequest,
     Instruction,
+    PrivacyRequest,
     arrays_to_record,
     dict_from_records,
     dict_to_records,
@@ -150,6 +155,8 @@ class FedaggRound:
     digest: bytes = b""
     """Secure upload rounds: :func:`strategies.wire.model_digest` of the model record as
     received (what the round's masks are bound to)."""
+    privacy: PrivacyRequest | None = None
+    """Secure upload rounds under distributed DP: the round's public privacy inputs."""
 
     @property
     def secure(self) -> bool:
@@ -206,8 +213,10 @@ def parse_round(msg: Message) -> FedaggRound | None:
     crec = content.config_records.get(CARRY_KEY) if params is not None else None
     carry = CarryRequest.from_record(crec) if crec is not None else None
     digest = model_digest(content.array_records[key]) if params is not None else b""
+    vrec = content.config_records.get(PRIVACY_KEY) if params is not None else None
+    privacy = PrivacyRequest.from_record(vrec) if vrec is not None else None
     return FedaggRound(instr, site, params, stage, key, keys, sent, previous, votes, carry,
-                       digest)
+                       digest, privacy)
 
 
 def clean_message(msg: Message, rnd: FedaggRound) -> Message:
@@ -373,17 +382,23 @@ def encode_reply(msg: Message, ctx: Context, rnd: FedaggRound, trained: list[np.
         on_stage("upload")
     mask = None
     state: ClientState | None = None
+    private = None
     if rnd.secure:
         assert rnd.site is not None and rnd.params is not None
         state = _load(ctx, rnd.site, rnd.params)
+        request = unpack(msg.content, RoundRequest)
+        binding = round_binding(rnd.digest)
         # stochastic rounding from an unseeded generator, as it must be in deployment
-        mask = SecAggMasker(state, unpack(msg.content, RoundRequest),
-                            rng=np.random.default_rng(), binding=round_binding(rnd.digest))
+        mask = SecAggMasker(state, request, rng=np.random.default_rng(), binding=binding)
+        if rnd.privacy is not None:
+            private = private_encoding(ctx, rnd, binding, _config_round(msg),
+                                       len(tuple(request.participants)))
 
     rng = _site_rng(ctx, instr) if instr is not None else np.random.default_rng()
     residual = _residual(ctx, spec, ns)
     upload: SiteUpload = UploadPipeline(spec, history).run(
-        trained, weight=weight, residual=residual, rng=rng, mask=mask, metrics=metrics)
+        trained, weight=weight, residual=residual, rng=rng, mask=mask, metrics=metrics,
+        private=private)
     # state stays at the site
     if upload.residual:
         ctx.state[EF_KEY + ns] = arrays_to_record(list(upload.residual.values()),
@@ -406,6 +421,56 @@ def encode_reply(msg: Message, ctx: Context, rnd: FedaggRound, trained: list[np.
     else:  # downward-only compression: the trained model itself
         content["arrays"] = arrays_to_record(trained, rnd.keys)
     return Message(content=content, reply_to=msg)
+
+
+MAX_EPSILON_KEY = "fedagg-max-epsilon"
+"""Node config key: the largest run budget (epsilon) this site accepts under distributed DP
+(a server asking for more, i.e. for less noise, is refused)."""
+
+
+def private_encoding(ctx: Context, rnd: FedaggRound, binding: bytes, server_round: int,
+                     participants: int) -> PrivateEncoding:
+    """The site's distributed-DP encoder of the round, from the public request, checked.
+
+    The site calibrates the noise itself (:func:`fedagg.privacy.round_params`) from the
+    request's public inputs, after checking that they describe this round: the model's size,
+    the participants of the round request, the rotation seed bound to the model it received
+    and the round number, a budget within the site's own ceiling (node config
+    :data:`MAX_EPSILON_KEY`) and a plan that sizes the noise for survivors.
+
+    Raises
+    ------
+    ProtocolError
+        A request that does not describe this round, or a budget above the ceiling.
+    """
+    req = rnd.privacy
+    assert req is not None
+    fix = "run the same fedagg version and configuration on the server and the sites"
+    dim = int(sum(int(a.size) for a in rnd.sent))
+    if req.dim != dim:
+        raise ProtocolError(explain(f"{PRIVACY_KEY}.dim", req.dim,
+                                    f"must be the received model's size {dim}", fix))
+    if req.num_sites != participants:
+        raise ProtocolError(explain(f"{PRIVACY_KEY}.num-sites", req.num_sites,
+                                    f"must be the round's {participants} participants", fix))
+    if not hmac.compare_digest(req.seed, rotation_seed(binding, server_round)):
+        raise ProtocolError(explain(f"{PRIVACY_KEY}.seed", "another seed",
+                                    "must be the rotation seed of the model this site "
+                                    "received and this round", fix))
+    ceiling = ctx.node_config.get(MAX_EPSILON_KEY)
+    if isinstance(ceiling, int | float) and not isinstance(ceiling, bool) and (
+            req.epsilon > float(ceiling)):
+        raise ProtocolError(explain(
+            f"{PRIVACY_KEY}.epsilon", req.epsilon,
+            f"is above this site's ceiling {MAX_EPSILON_KEY} = {ceiling} (a larger budget "
+            "means less noise on this site's update)",
+            "run with privacy.epsilon <= the sites' ceilings, or raise the ceiling in the "
+            "site's node config"))
+    params = round_params(epsilon=req.epsilon, delta=req.delta,
+                          participations=req.participations, clip=req.clip,
+                          ring_bits=req.ring_bits, num_sites=req.num_sites,
+                          min_sites=req.min_sites, dim=dim)
+    return PrivateEncoding(DdgEncoder(params), req.seed)
 
 
 def _config_round(msg: Message) -> int:

@@ -37,6 +37,7 @@ __all__ = [
     "ConfigError",
     "DataError",
     "FedaggError",
+    "PrivacyBudgetSpent",
     "ProtocolError",
     "RegistryError",
     "RunFailed",
@@ -154,6 +155,11 @@ class WorkerError(FedaggError):
 
 class CheckpointError(FedaggError):
     """A checkpoint is unreadable, incomplete, or belongs to a different configuration."""
+
+
+class PrivacyBudgetSpent(FedaggError):
+    """The next round would spend more than the run's privacy budget
+    (``privacy.target_epsilon``): the run stops before it, with the model of its last round."""
 
 
 class RunFailed(FedaggError):

@@ -40,7 +40,7 @@ from flwr.serverapp.strategy import Strategy
 from fedagg.aggregate import model_change_problem
 from fedagg.config import RunConfig, config_hash
 from fedagg.data import load_dataset
-from fedagg.errors import CheckpointError, ConfigError, RunFailed, explain
+from fedagg.errors import CheckpointError, ConfigError, PrivacyBudgetSpent, RunFailed, explain
 from fedagg.memory import PeakMemory
 from fedagg.models import build_model, set_weights
 from fedagg.report import atomic_write_bytes, write_metrics, write_plot
@@ -400,6 +400,13 @@ def run_server(
                                      round_deadline(cfg, rnd), retries=cfg.run.retries)
         except ConfigError:  # the run cannot work as configured: no later round would either
             raise
+        except PrivacyBudgetSpent as exc:  # the budget is spent: stop before this round
+            _log.warning("round %d not run: %s", rnd, exc)
+            if records:
+                records[-1]["stopped"] = str(exc)
+            if out is not None:
+                write_metrics(out, records)
+            break
         except Exception as exc:  # one round's failure never ends the run (docs/reliability)
             result = _failed_round(rnd, exc)
         report = result.report
@@ -466,9 +473,9 @@ def run_server(
                 {
                     k.replace("-", "_"): v
                     for k, v in result.metrics.items()
-                    if k.startswith("secagg-") and finite_number(v)
+                    if k.startswith(("secagg-", "privacy-")) and finite_number(v)
                 }
-            )  # secure aggregation: counted, dropped, error bound
+            )  # secure aggregation: counted, dropped, error bound; epsilon spent so far
         for phase, sec in report.seconds.items():
             rec[f"seconds_{phase}"] = sec
         if report.site_metrics:  # per site (by node id; partition-id a label): seconds, ...

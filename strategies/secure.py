@@ -56,6 +56,7 @@ from flwr.serverapp.strategy import Strategy
 
 from fedagg.config import RunConfig, SecAggConfig
 from fedagg.errors import AbortRound, ConfigError, ProtocolError, explain
+from fedagg.privacy import next_power_of_two
 from fedagg.secagg import (
     MaskedUpload,
     SecAggParams,
@@ -65,16 +66,25 @@ from fedagg.secagg import (
 )
 from fedagg.secagg.keys import round_binding
 from fedagg.secagg.params import check_site_floor
-from fedagg.update import MaskedLayout, RoundDecoder, SupportHistory, UploadSpec, masked_layout
+from fedagg.update import (
+    Decoded,
+    MaskedLayout,
+    RoundDecoder,
+    SupportHistory,
+    UploadSpec,
+    masked_layout,
+)
 from strategies.compressed import Compressed
 from strategies.fedavg import FedAvg, gc_young
 from strategies.secure_exchange import SiteExchange
 from strategies.secure_params import check_aggregate, resolve_params, unflatten_like
+from strategies.secure_privacy import DistributedPrivacy, PrivateRound
 from strategies.secure_setup import KeySetup
 from strategies.update import Update, node_of
 from strategies.wire import (
     INSTRUCTION_KEY,
     PREVIOUS_KEY,
+    PRIVACY_KEY,
     VOTES_KEY,
     Instruction,
     SiteIndex,
@@ -129,6 +139,7 @@ class _SecureRound:
     messages: list[Message]
     layout: MaskedLayout
     participants: int
+    private: PrivateRound | None = None
 
 
 class SecureAggregation(StrategyWrapper):
@@ -157,6 +168,11 @@ class SecureAggregation(StrategyWrapper):
     upload_timeout : float
         Lifetime of the upload messages (the round's deadline; fedagg's loop and
         ``Strategy.start()`` wait for the replies with their own timeout).
+    privacy : DistributedPrivacy, optional
+        Distributed differential privacy in the secure sum (dense uploads only): each site
+        clips, rotates, rounds and noises its update in the ring; the server decodes the
+        unweighted mean of the clipped updates and counts every unmasked round
+        (:mod:`strategies.secure_privacy`, docs/privacy.md).
 
     Raises
     ------
@@ -186,7 +202,8 @@ class SecureAggregation(StrategyWrapper):
     def __init__(self, inner: Strategy | None = None, *, secagg: SecAggConfig | None = None,
                  config_key: str = "config", run_id: bytes | None = None,
                  run_seed: int | None = None, max_update_norm: float | None = None,
-                 upload_timeout: float = 600.0) -> None:
+                 upload_timeout: float = 600.0,
+                 privacy: DistributedPrivacy | None = None) -> None:
         super().__init__(inner if inner is not None else FedAvg())
         compressed = self.inner if isinstance(self.inner, Compressed) else None
         self.aggregator = compressed.inner if compressed is not None else self.inner
@@ -205,6 +222,12 @@ class SecureAggregation(StrategyWrapper):
             up, support, namespace = (compressed.spec.up, compressed.spec.support,
                                       compressed.state_namespace)
         self.spec = UploadSpec.parse(up, support=support, secure=True)
+        if privacy is not None and not self.spec.dense:
+            raise ConfigError(explain(
+                "SecureAggregation(privacy=...)", self.spec.up,
+                "distributed DP is calibrated for the dense update (a sparse support, sketch "
+                "or vote would need its own sensitivity)", "drop the Compressed wrapper"))
+        self.privacy = privacy
         seed = run_seed if run_seed is not None else (compressed.seed if compressed else 0)
         self.run_seed = int(seed)
         inner_norm = self.aggregator.max_update_norm if isinstance(self.aggregator, FedAvg) \
@@ -248,14 +271,17 @@ class SecureAggregation(StrategyWrapper):
         c = cfg.compression
         UploadSpec.parse(c.up, support=c.support, down=c.down, secure=True)
         per_round = max(int(cfg.run.sites * cfg.run.fraction_train), 1)
+        secagg = cfg.secagg
+        if cfg.privacy.on:  # the noise lives in the privacy ring
+            secagg = secagg.model_copy(update={"ring_bits": cfg.privacy.ring_bits})
         try:
-            params = resolve_params(cfg.secagg, per_round, upload_timeout=cfg.run.round_timeout)
+            params = resolve_params(secagg, per_round, upload_timeout=cfg.run.round_timeout)
             # epochs are keyed over the sampled sites or over every node: each roster's t must
             # clear the sites' default floor (t > k/2, k >= min(3, N - 1))
             for roster in sorted({per_round, cfg.run.sites} - {0, 1}):
                 k = params.neighbours_for(roster)
                 check_site_floor(dataclasses.replace(
-                    params, threshold=cfg.secagg.resolve_threshold(k)), roster)
+                    params, threshold=secagg.resolve_threshold(k)), roster)
         except ConfigError as exc:
             raise ConfigError(f"{exc} (secure aggregation with {per_round} sites per round: "
                               f"run.sites={cfg.run.sites} x run.fraction_train="
@@ -264,9 +290,11 @@ class SecureAggregation(StrategyWrapper):
         wrapped: Strategy = aggregate if c.up == "none" else Compressed(
             aggregate, up=c.up, support=c.support, seed=cfg.run.seed,
             max_update_norm=cfg.strategy.max_update_norm)
-        return cls(wrapped, secagg=cfg.secagg, run_seed=cfg.run.seed,
+        privacy = (DistributedPrivacy(cfg.privacy, cfg.run.rounds) if cfg.privacy.on
+                   else None)
+        return cls(wrapped, secagg=secagg, run_seed=cfg.run.seed,
                    max_update_norm=cfg.strategy.max_update_norm,
-                   upload_timeout=cfg.run.round_timeout)
+                   upload_timeout=cfg.run.round_timeout, privacy=privacy)
 
     def summary(self) -> None:
         """Log the configuration, then the inner strategy's summary."""
@@ -276,7 +304,10 @@ class SecureAggregation(StrategyWrapper):
 
     # -- the round's masked vector -------------------------------------------------------------
     def _layout(self, dim: int, participants: int) -> MaskedLayout:
-        """The masked vector of the round (:func:`fedagg.update.masked_layout`)."""
+        """The masked vector of the round (:func:`fedagg.update.masked_layout`; under
+        distributed DP the sites' ring encodings)."""
+        if self.privacy is not None:
+            return MaskedLayout(values=next_power_of_two(dim), private=True)
         assert self.params is not None
         return masked_layout(self.history, dim, num_sites=participants,
                              ring_bits=self.params.encoding_for(participants)[1])
@@ -348,6 +379,8 @@ class SecureAggregation(StrategyWrapper):
         nodes = [m.metadata.dst_node_id for m in inner_msgs]
         by_node = {m.metadata.dst_node_id: m for m in inner_msgs}
         dim = int(sum(np.asarray(a).size for a in current))
+        if self.privacy is not None:  # PrivacyBudgetSpent stops the run before this round
+            self.privacy.check_budget(server_round, dim=dim, num_sites=len(nodes))
         server = self.keys.ensure_server(grid, len(nodes), self.upload_timeout)
         round_config = ConfigRecord(dict(config))
         round_config["server-round"] = server_round
@@ -369,6 +402,10 @@ class SecureAggregation(StrategyWrapper):
             self._abort(server_round, str(exc))
             return []
         participants = len(next(iter(requests.values())).participants) if requests else 0
+        private = None
+        if self.privacy is not None and participants:
+            private = self.privacy.round_for(server_round, dim=dim, num_sites=participants,
+                                             binding=binding)
         node_of_site = {i: n for n, i in site_of.items()}
         assert self.params is not None
         ttl = self.params.upload_timeout_s
@@ -378,6 +415,8 @@ class SecureAggregation(StrategyWrapper):
             node = node_of_site[i]
             extra = {k: v for k, v in by_node[node].content.items() if k != inner_key}
             extra.update(self._upload_records(server_round, node, keys))
+            if private is not None:
+                extra[PRIVACY_KEY] = private.request.to_record()
             inner_config = by_node[node].content.config_records.get(inner_key)
             cfg = ConfigRecord({**dict(inner_config or {}), **dict(round_config)})
             out.append(self.link.message(node, i, "upload", req, cfg, group, ttl, extra))
@@ -385,7 +424,7 @@ class SecureAggregation(StrategyWrapper):
                                    site_of=site_of, node_of=node_of_site, config=round_config,
                                    group=group, messages=out,
                                    layout=self._layout(dim, participants),
-                                   participants=participants)
+                                   participants=participants, private=private)
         return out
 
     def _abort(self, server_round: int, reason: str) -> None:
@@ -459,6 +498,8 @@ class SecureAggregation(StrategyWrapper):
         except ProtocolError as exc:  # AbortRound / VerificationError, blaming who it can
             self._abort(server_round, f"unmask failed: {exc}")
             return None, None
+        if r.private is not None and self.privacy is not None:
+            self.privacy.charge(r.private)  # the sum was unmasked: seen, whatever comes next
         assert self.params is not None
         weight_cap = len(result.counted) * self.params.weight_scale
         if not (math.isfinite(result.total_weight) and 0 < result.total_weight
@@ -467,12 +508,19 @@ class SecureAggregation(StrategyWrapper):
                         f"in (0, counted sites x secagg.weight_scale = {weight_cap:g}]")
             return None, None
         try:
-            decoded = self.decoder.decode(r.layout, result.mean, result.total, dim=r.dim,
-                                          num_sites=r.participants, ring_bits=result.ring_bits,
-                                          counted=len(result.counted))
-            problem = (check_aggregate(decoded.values, max_norm=None, clip=self.params.clip)
-                       or check_aggregate(decoded.delta, max_norm=self.max_update_norm,
-                                          clip=None))
+            if r.private is not None and self.privacy is not None:
+                mean = self.privacy.decode(r.private, result.total, len(result.counted))
+                decoded = Decoded(values=mean, delta=mean[:r.dim], votes=None, metrics={})
+                problem = check_aggregate(decoded.delta, max_norm=self.max_update_norm,
+                                          clip=None)
+            else:
+                decoded = self.decoder.decode(r.layout, result.mean, result.total, dim=r.dim,
+                                              num_sites=r.participants,
+                                              ring_bits=result.ring_bits,
+                                              counted=len(result.counted))
+                problem = (check_aggregate(decoded.values, max_norm=None, clip=self.params.clip)
+                           or check_aggregate(decoded.delta, max_norm=self.max_update_norm,
+                                              clip=None))
         except (ConfigError, ProtocolError) as exc:
             problem = f"undecodable aggregate: {exc}"
         if problem:
@@ -491,8 +539,14 @@ class SecureAggregation(StrategyWrapper):
             "secagg-epoch": result.epoch, "secagg-values": int(r.layout.values),
             **decoded.metrics,  # the sites' train loss, summed under the masks
         }
+        if r.private is not None and self.privacy is not None:
+            metrics.update(self.privacy.metrics(r.private))
+        weight = float(result.total_weight)
+        if r.private is not None:  # every site weighs the same: the weight counts the sites
+            weight = float(len(result.counted))
+            metrics["num-examples"] = weight
         reply = some_reply if some_reply is not None else r.messages[0]
-        one = Update(delta, float(result.total_weight), metrics, node_of(reply), "delta",
+        one = Update(delta, weight, metrics, node_of(reply), "delta",
                      round=server_round, reply=reply)
         new, inner_metrics = inner_aggregate(self.aggregator, server_round, [one], r.keys,
                                              r.current, self.report, sites=len(result.counted))
@@ -514,6 +568,7 @@ class SecureAggregation(StrategyWrapper):
         protocol state is not checkpointed: a restart re-keys)."""
         fn = getattr(self.aggregator, "state_dict", None)
         return {**({"inner": fn()} if callable(fn) else {}),
+                **({"privacy": self.privacy.state_dict()} if self.privacy is not None else {}),
                 "history": self.history.state_dict(), "sketch": self.decoder.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -525,4 +580,6 @@ class SecureAggregation(StrategyWrapper):
             self.history.load_state_dict(state["history"])
         if "sketch" in state:
             self.decoder.load_state_dict(state["sketch"])
+        if self.privacy is not None and "privacy" in state:
+            self.privacy.load_state_dict(state["privacy"])
 

@@ -20,7 +20,12 @@ ClientApp.
 """
 
 from fedagg.config.overrides import apply_overrides, flatten, parse_value, unflatten
-from fedagg.config.protocols import AsynchronousConfig, CompressionConfig, SecAggConfig
+from fedagg.config.protocols import (
+    AsynchronousConfig,
+    CompressionConfig,
+    PrivacyConfig,
+    SecAggConfig,
+)
 from fedagg.config.reference import reference_markdown
 from fedagg.config.run_config import RunConfig, config_hash, load_config
 from fedagg.config.sections import (
@@ -42,6 +47,7 @@ __all__ = [
     "DataConfig",
     "FaultsConfig",
     "ModelConfig",
+    "PrivacyConfig",
     "RunConfig",
     "RunSection",
     "SecAggConfig",

@@ -1,5 +1,6 @@
-"""The sections of the update protocols: ``[compression]``, ``[secagg]`` (SecAgg+) and
-``[asynchronous]`` (FedBuff, deadline rounds).
+"""The sections of the update protocols: ``[compression]``, ``[secagg]`` (SecAgg+),
+``[privacy]`` (distributed differential privacy in the secure sum) and ``[asynchronous]``
+(FedBuff, deadline rounds).
 
 Frozen pydantic models with ``extra="forbid"``, like the other sections
 (:mod:`fedagg.config.sections`); :class:`fedagg.config.RunConfig` holds one of each, and every
@@ -16,7 +17,7 @@ from fedagg.aggregate import MEDIAN_MIN_UPDATES
 from fedagg.asyncagg.guards import DEFAULT_GUARD_WINDOW
 from fedagg.config.sections import Section
 
-__all__ = ["AsynchronousConfig", "CompressionConfig", "SecAggConfig"]
+__all__ = ["AsynchronousConfig", "CompressionConfig", "PrivacyConfig", "SecAggConfig"]
 
 
 class CompressionConfig(Section):
@@ -240,3 +241,53 @@ class AsynchronousConfig(Section):
         if isinstance(value, str):
             return [float(v) for v in value.replace(" ", "").split(",") if v]
         return value
+
+
+class PrivacyConfig(Section):
+    """Distributed differential privacy in the secure sum (docs/privacy.md).
+
+    With ``mode = "distributed"`` every site of a secure round clips its update to L2 norm
+    ``clip``, rotates, rounds and adds its share of discrete Gaussian noise in the secure
+    aggregation ring (Kairouz, Liu, Steinke, ICML 2021), so the server unmasks only a noisy
+    sum of clipped updates; each round's privacy loss is counted with ``dp-accounting`` and
+    written to metrics.json. Needs secure aggregation of dense updates (``strategy.name =
+    "secure"``, ``compression.up = "none"``) in synchronous rounds.
+    """
+
+    mode: Literal["off", "distributed"] = Field(
+        "off", description="'off': no differential privacy; 'distributed': each site adds its "
+        "share of discrete Gaussian noise before masking (distributed DP under SecAgg+).")
+    epsilon: float = Field(
+        8.0, gt=0, le=1000,
+        description="The run's budget: the noise is calibrated so that run.rounds rounds, each "
+        "site in every round, spend at most this epsilon at privacy.delta.")
+    delta: float = Field(1e-5, gt=0, lt=1, description="The run's delta.")
+    clip: float = Field(
+        1.0, gt=0, le=1e6,
+        description="L2 norm to which each site clips its update (model units): the "
+        "sensitivity of the sum. The decoded mean is the unweighted mean of the clipped "
+        "updates.")
+    ring_bits: int = Field(
+        18, ge=8, le=32,
+        description="Bits per coordinate of the secure sum (the secure aggregation ring); "
+        "secagg.ring_bits must be unset or the same. Fewer bits: fewer bytes, coarser grid.")
+    dropout_fraction: float = Field(
+        0.2, ge=0, lt=1,
+        description="Share of a round's sites that may drop out with the noise still at its "
+        "target: each site's share is sized for ceil((1 - f) x sites) survivors, and a sum "
+        "with fewer survivors is refused.")
+    target_epsilon: float | None = Field(
+        None, gt=0,
+        description="Stop the run before a round would take the spent epsilon above this "
+        "(the last round's model kept). None: privacy.epsilon.")
+
+    @property
+    def on(self) -> bool:
+        """Whether distributed DP is on."""
+        return self.mode != "off"
+
+    @property
+    def stop_at(self) -> float:
+        """The epsilon the run must not exceed."""
+        return float(self.target_epsilon if self.target_epsilon is not None else self.epsilon)
+

@@ -21,7 +21,12 @@ import tomllib
 from pydantic import Field, model_validator
 
 from fedagg.config.overrides import apply_overrides, flatten
-from fedagg.config.protocols import AsynchronousConfig, CompressionConfig, SecAggConfig
+from fedagg.config.protocols import (
+    AsynchronousConfig,
+    CompressionConfig,
+    PrivacyConfig,
+    SecAggConfig,
+)
 from fedagg.config.sections import (
     DataConfig,
     FaultsConfig,
@@ -53,6 +58,7 @@ class RunConfig(Section):
     faults: FaultsConfig = Field(default_factory=FaultsConfig)  # type: ignore[arg-type]
     simulation: SimulationConfig = Field(default_factory=SimulationConfig)  # type: ignore[arg-type]
     asynchronous: AsynchronousConfig = Field(default_factory=AsynchronousConfig)  # type: ignore[arg-type]
+    privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)  # type: ignore[arg-type]
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
@@ -61,7 +67,34 @@ class RunConfig(Section):
                 f"run.min_sites ({self.run.min_sites}) must be <= run.sites ({self.run.sites}); "
                 "lower run.min_sites or add sites"
             )
+        if self.privacy.on:
+            self._privacy_checks()
         return self
+
+    def _privacy_checks(self) -> None:
+        secure = self.strategy.secure or self.strategy.name == "secure"
+        if not secure:
+            raise ValueError(
+                f"privacy.mode = '{self.privacy.mode}' needs secure aggregation (the noise is "
+                "added in its ring; without it the server would see each noisy update); set "
+                "strategy.name = 'secure', or use Flower's central DP wrappers "
+                "(docs/privacy.md)")
+        if self.compression.up != "none":
+            raise ValueError(
+                f"privacy.mode = '{self.privacy.mode}' with compression.up = "
+                f"'{self.compression.up}': the noise is calibrated for the dense update (a "
+                "sparse support, sketch or vote would need its own sensitivity); set "
+                "compression.up = 'none'")
+        if self.asynchronous.mode != "off":
+            raise ValueError(
+                f"privacy.mode = '{self.privacy.mode}' with asynchronous.mode = "
+                f"'{self.asynchronous.mode}': secure FedBuff cohorts are not counted by the "
+                "privacy accountant yet; use synchronous rounds (asynchronous.mode = 'off')")
+        if self.secagg.ring_bits is not None and self.secagg.ring_bits != self.privacy.ring_bits:
+            raise ValueError(
+                f"secagg.ring_bits = {self.secagg.ring_bits} differs from privacy.ring_bits = "
+                f"{self.privacy.ring_bits}: the noise lives in the secure sum's ring; unset "
+                "secagg.ring_bits or make them equal")
 
 
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> RunConfig:

@@ -10,7 +10,9 @@ One module per job:
 * :mod:`fedagg.privacy.ddg`: one round's parameters, site encoder and server decoder;
 * :mod:`fedagg.privacy.accounting`: zCDP of a round, the run's ledger (dp-accounting's RDP
   accountant) and the central-DP Gaussian baseline;
-* :mod:`fedagg.privacy.calibrate`: the grid step and noise for a budget and a ring.
+* :mod:`fedagg.privacy.calibrate`: the grid step and noise for a budget and a ring;
+* :mod:`fedagg.privacy.rounds`: one secure round's parameters (the same at server and
+  sites, from public inputs) and its public rotation seed.
 
 Pure numpy and dp-accounting; no Flower. See docs/privacy.md.
 """
@@ -52,6 +54,7 @@ from fedagg.privacy.rounding import (
     rounded_l1_bound,
     rounded_l2_bound,
 )
+from fedagg.privacy.rounds import min_survivors, rotation_seed, round_params
 
 __all__ = [
     "DEFAULT_BETA",
@@ -82,8 +85,11 @@ __all__ = [
     "fwht_",
     "gaussian_epsilon",
     "gaussian_noise_multiplier",
+    "min_survivors",
     "next_power_of_two",
     "overflow_bound",
+    "rotation_seed",
+    "round_params",
     "rounded_l1_bound",
     "rounded_l2_bound",
     "sample_discrete_gaussian",

@@ -31,10 +31,11 @@ from fedagg.update.masked import (
     RingEncoding,
     RingMasker,
     SecAggMasker,
+    encode_private,
     masked_layout,
     metric_values,
 )
-from fedagg.update.pipeline import SiteUpload, UploadPipeline, delta_of
+from fedagg.update.pipeline import PrivateEncoding, SiteUpload, UploadPipeline, delta_of
 from fedagg.update.server import Decoded, RoundDecoder, vote_sum_problem
 from fedagg.update.spec import (
     DOWN_CODECS,
@@ -52,6 +53,7 @@ __all__ = [
     "SUPPORTS",
     "Decoded",
     "MaskedLayout",
+    "PrivateEncoding",
     "RingEncoding",
     "RingMasker",
     "RoundDecoder",
@@ -67,6 +69,7 @@ __all__ = [
     "densify",
     "effective_spec",
     "encode_down",
+    "encode_private",
     "flat_difference",
     "masked_layout",
     "metric_values",

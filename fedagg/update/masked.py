@@ -40,6 +40,7 @@ from fedagg.errors import ProtocolError, explain
 from fedagg.update.history import SupportHistory
 
 if TYPE_CHECKING:
+    from fedagg.privacy import DdgEncoder
     from fedagg.secagg import ClientState, MaskedUpload, RoundRequest
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "RingEncoding",
     "RingMasker",
     "SecAggMasker",
+    "encode_private",
     "encode_sketch",
     "encode_values_and_votes",
     "masked_layout",
@@ -158,6 +160,9 @@ class MaskedLayout:
     vote_bits: int = 0
     vote_elements: int = 0
     metric_slots: int = 0
+    private: bool = False
+    """The values are a site's distributed-DP encoding (:func:`encode_private`): ring
+    elements, decoded from the ring sum by :class:`fedagg.privacy.DdgDecoder`."""
 
     @property
     def dim(self) -> int:
@@ -167,7 +172,7 @@ class MaskedLayout:
     @property
     def encoded(self) -> bool:
         """Whether the site encodes the vector itself (sketch or votes)."""
-        return self.sketch_shape is not None or self.vote_elements > 0
+        return self.sketch_shape is not None or self.vote_elements > 0 or self.private
 
     def split(self, total: NDArray[np.uint32]) -> NDArray[np.uint32]:
         """The packed vote elements of an unmasked sum (``dim + 1`` elements).
@@ -285,3 +290,28 @@ def encode_values_and_votes(values: NDArray[np.float64], vote: VoteSupport, *, d
     votes = vote.packed_votes(dim=int(dim), num_sites=enc.num_sites, ring_bits=enc.ring_bits)
     out: NDArray[np.uint32] = np.concatenate([vec[:-1], votes, vec[-1:]]).astype(np.uint32)
     return out
+
+
+def encode_private(values: NDArray[np.float64], encoder: DdgEncoder, *, seed: bytes,
+                   enc: RingEncoding, rng: np.random.Generator) -> NDArray[np.uint32]:
+    """Site: ``[DDG encoding of values | w_q]`` under distributed DP (Kairouz, Liu, Steinke,
+    ICML 2021): the update clipped to ``clip`` in L2, scaled, rotated with the round's public
+    ``seed``, rounded and noised in ``Z_2^b`` (:class:`fedagg.privacy.DdgEncoder`); the weight
+    element is ``2^f``, the quantised ``secagg.weight_scale``, at every site (the private
+    mean is unweighted: the server reads the number of sites from the summed weight).
+
+    Raises
+    ------
+    ProtocolError
+        The secure round's ring is not the one the noise was calibrated for.
+    """
+    if enc.ring_bits != encoder.params.ring_bits:
+        raise ProtocolError(explain(
+            "secure round ring_bits", enc.ring_bits,
+            f"must be privacy.ring_bits = {encoder.params.ring_bits}, the ring the noise was "
+            "calibrated for", "run the same configuration on the server and the sites"))
+    ring = encoder.encode(values, seed=seed, rng=rng).ring
+    out: NDArray[np.uint32] = np.concatenate(
+        [ring, np.asarray([1 << enc.frac_bits], np.uint32)]).astype(np.uint32)
+    return out
+

@@ -43,21 +43,31 @@ from fedagg.compression import (
     find_vote_support,
 )
 from fedagg.errors import ConfigError, ProtocolError, explain
+from fedagg.privacy import DdgEncoder
 from fedagg.update.history import SupportHistory
 from fedagg.update.masked import (
     RingMasker,
+    encode_private,
     encode_sketch,
     encode_values_and_votes,
     metric_values,
 )
 from fedagg.update.spec import UploadSpec
 
-__all__ = ["SiteUpload", "UploadPipeline", "delta_of"]
+__all__ = ["PrivateEncoding", "SiteUpload", "UploadPipeline", "delta_of"]
 
 Residual = dict[str, NDArray[np.float32]]
 Masker = Callable[[NDArray[np.float64], float], Any]
 """``mask(values, weight) -> masked upload`` (e.g. ``ClientState.handle_round`` bound to the
 round's request)."""
+
+
+@dataclass(frozen=True)
+class PrivateEncoding:
+    """A site's distributed-DP encoder of the round and the round's public rotation seed."""
+
+    encoder: DdgEncoder
+    seed: bytes
 
 
 @dataclass
@@ -168,7 +178,8 @@ class UploadPipeline:
     def run(self, trained: Sequence[NDArray[Any]], *, weight: float,
             residual: Mapping[str, NDArray[Any]] | None = None,
             rng: np.random.Generator, mask: Masker | None = None,
-            metrics: Mapping[str, float] | None = None) -> SiteUpload:
+            metrics: Mapping[str, float] | None = None,
+            private: PrivateEncoding | None = None) -> SiteUpload:
         """Delta, error feedback, selection, quantization and (secure) masking, in one pass.
 
         Parameters
@@ -187,6 +198,11 @@ class UploadPipeline:
             the spec is secure.
         metrics : mapping, optional
             The site's metrics, carried along.
+        private : PrivateEncoding, optional
+            Distributed DP of a dense secure round: the update is clipped, rotated, rounded
+            and noised in the ring (:func:`fedagg.update.encode_private`) instead of
+            fixed-point encoded; its metrics are not masked along (they would need their own
+            noise).
 
         Raises
         ------
@@ -204,6 +220,13 @@ class UploadPipeline:
         if self.spec.dense:
             if self.spec.secure:
                 out.values = _flat_delta64(trained, glob)
+                if private is not None:
+                    ring = _ring(mask, "private")
+                    out.vector = encode_private(out.values, private.encoder,
+                                                seed=private.seed, enc=ring.encoding(1.0),
+                                                rng=ring.rng)
+                    out.masked = ring.mask_encoded(out.vector)
+                    return out
             else:
                 out.payload = None  # plain FedAvg: the trained model itself is sent
         else:

@@ -35,6 +35,7 @@ update the server rejected.</div>
 <h2>Intra-site training</h2><div class="muted small" id="site-note"></div>
 <div class="charts" id="site-charts"></div><table id="site-table"></table>
 <h2>Secure aggregation</h2><div id="secagg"></div>
+<h2>Differential privacy</h2><div id="privacy"></div>
 <h2>Configuration</h2><pre id="config"></pre>
 <div id="tip"></div>
 """
@@ -340,6 +341,20 @@ REPORT_JS = r"""
     });
   } else {
     h("div", {"class": "muted"}, "Secure aggregation was not used in this run (no secagg_* keys).", sa);
+  }
+  // distributed differential privacy: epsilon spent per round
+  const PV = D.privacy, pv = document.getElementById("privacy");
+  if (PV.rounds.length) {
+    const charts = h("div", {"class": "charts"}, null, pv);
+    chart(charts, "privacy", "Epsilon spent so far (delta " + fmtNum(PV.delta, 6) + ")", PV.rounds,
+          [{name: "epsilon", values: PV.epsilon, kind: "line", colour: COLOURS[3 % COLOURS.length]}],
+          {fmt: function (v) { return fmtNum(v, 3); }});
+    h("div", {"class": "muted"}, "Distributed DP under secure aggregation: each site's noise share " +
+      "in the secure sum; noise std per coordinate of the mean " + fmtNum(PV.noise_std, 4) +
+      " (model units), " + fmtNum(PV.ring_bits, 0) + "-bit ring." +
+      (PV.stopped ? " The run stopped: " + PV.stopped : ""), pv);
+  } else {
+    h("div", {"class": "muted"}, "No differential privacy in this run (no privacy_* keys).", pv);
   }
   document.getElementById("config").textContent = JSON.stringify(cfg, null, 2);
   document.body.dataset.ready = "1";

@@ -148,7 +148,7 @@ _NUMBER_KEYS = ("accuracy", "loss", "train_loss", "seconds", "wall_seconds", "ti
 _COUNT_KEYS = ("bytes_up", "bytes_down", "sites_sampled", "sites_replied", "sites_failed",
                "version", "updates", "staleness_max", "in_flight")
 _TEXT_MAX = 200
-_NUMBER_PREFIXES = ("seconds_", "secagg_")
+_NUMBER_PREFIXES = ("seconds_", "secagg_", "privacy_")
 _SITE_NUMBER_KEYS = frozenset(_SITE_KEYS) | {k.replace("_", "-") for k in _SITE_KEYS}
 _MAX_DEPTH = 32
 """Deepest nesting a metrics.json may have (fedagg writes 5 levels: list, record, site
@@ -244,8 +244,8 @@ def _check_record(i: int, rec: Any) -> None:
     if sites is not None:
         if not isinstance(sites, list):
             raise _Refused(f"{at}.sites", sites, "must be a list of partition ids (integers)")
-        for j, sid in enumerate(sites):
-            _check_int(f"{at}.sites[{j}]", sid, 0, _MAX_SITE)
+        for j, sid in enumerate(sites):  # -1: a site whose label is unknown or withheld
+            _check_int(f"{at}.sites[{j}]", sid, -1, _MAX_SITE)
     rejected = rec.get("rejected")
     if rejected is not None:
         if not isinstance(rejected, dict):
@@ -391,15 +391,31 @@ def _traffic(records: list[dict[str, Any]], params: int | None) -> dict[str, Any
     return out
 
 
+def _label(key: object, metrics: object) -> str:
+    """The site a ``site_metrics`` entry is about: its ``partition-id`` label (the records
+    are keyed by the node id the transport authenticates), else its key."""
+    if isinstance(metrics, Mapping):
+        pid = metrics.get("partition-id", metrics.get("partition_id"))
+        if isinstance(pid, int | float) and not isinstance(pid, bool) and pid >= 0:
+            return str(int(pid))
+    return str(key)
+
+
+def _by_site(record: dict[str, Any]) -> dict[str, Any]:
+    """A record's ``site_metrics`` keyed by site label (:func:`_label`)."""
+    return {_label(k, v): v for k, v in (record.get("site_metrics") or {}).items()}
+
+
 def _site_ids(records: list[dict[str, Any]], config: dict[str, Any]) -> list[str]:
     ids: set[int] = set()
     sites = config.get("run", {}).get("sites") if isinstance(config.get("run"), dict) else None
     if isinstance(sites, int) and 0 < sites <= 10_000:
         ids.update(range(sites))
     for r in records:
-        ids.update(int(s) for s in r.get("sites", []) or [] if isinstance(s, int | float))
-        for k in (r.get("site_metrics") or {}):
-            if re.fullmatch(r"-?[0-9]{1,12}", str(k)):
+        ids.update(int(s) for s in r.get("sites", []) or []
+                   if isinstance(s, int | float) and s >= 0)
+        for k in _by_site(r):
+            if re.fullmatch(r"[0-9]{1,12}", k):
                 ids.add(int(k))
     return [str(i) for i in sorted(ids)]
 
@@ -415,7 +431,7 @@ def _heatmap(records: list[dict[str, Any]], config: dict[str, Any]) -> dict[str,
         summary = (f"sampled {r.get('sites_sampled', '?')}, replied {r.get('sites_replied', '?')}, "
                    f"failed {r.get('sites_failed', 0)}, rejected {len(rejected)}")
         accepted = r.get("sites")
-        metrics = {str(k): v for k, v in (r.get("site_metrics") or {}).items()}
+        metrics = _by_site(r)
         for sid in site_ids:
             if accepted is None:
                 state, why = "unknown", "this record lists no accepted sites"
@@ -447,7 +463,7 @@ def _heatmap(records: list[dict[str, Any]], config: dict[str, Any]) -> dict[str,
 def _sites(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     per: dict[str, dict[str, Any]] = {}
     for r in records:
-        for sid, raw in (r.get("site_metrics") or {}).items():
+        for sid, raw in _by_site(r).items():
             if not isinstance(raw, Mapping):
                 continue
             m = _norm(raw)
@@ -483,6 +499,20 @@ def _secagg(records: list[dict[str, Any]]) -> dict[str, Any]:
     rounds = [r.get("round") for r in records if r.get("round", 0)]
     return {"keys": keys, "rounds": rounds,
             "values": {k: [_number(r.get(k)) for r in records if r.get("round", 0)] for k in keys}}
+
+
+def _privacy(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Epsilon spent per round (``privacy_epsilon``), the run's delta, noise and ring."""
+    rows = [r for r in records if r.get("round", 0) and _number(r.get("privacy_epsilon"))
+            is not None]
+    last = rows[-1] if rows else {}
+    stopped = next((str(r["stopped"]) for r in records if isinstance(r.get("stopped"), str)),
+                   "")
+    return {"rounds": [r.get("round") for r in rows],
+            "epsilon": [_number(r.get("privacy_epsilon")) for r in rows],
+            "delta": _number(last.get("privacy_delta")),
+            "noise_std": _number(last.get("privacy_noise_std")),
+            "ring_bits": _number(last.get("privacy_ring_bits")), "stopped": stopped[:400]}
 
 
 def _name_of(obj: Named) -> str | None:
@@ -717,6 +747,7 @@ def report_data(run_dir: str | Path, *, model: Named = None, data: Named = None,
         "heatmap": _heatmap(records, config),
         "sites": _sites(records),
         "secagg": _secagg(records),
+        "privacy": _privacy(records),
         "config": config,
     }
 

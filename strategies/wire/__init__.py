@@ -29,6 +29,7 @@ from strategies.wire.arrays import (
 )
 from strategies.wire.carry import CARRY_KEY, CarryRequest
 from strategies.wire.model import FEDAGG_RECORDS, model_digest, model_key
+from strategies.wire.privacy import PRIVACY_KEY, PrivacyRequest
 from strategies.wire.secagg import (
     ARRAYS_KEY,
     CONFIG_KEY,
@@ -68,6 +69,7 @@ __all__ = [
     "PARAMS_KEY",
     "PAYLOAD_KEY",
     "PREVIOUS_KEY",
+    "PRIVACY_KEY",
     "REPLY_KEY",
     "SECAGG_KEYS",
     "SECAGG_WIRE",
@@ -76,6 +78,7 @@ __all__ = [
     "VOTES_KEY",
     "CarryRequest",
     "Instruction",
+    "PrivacyRequest",
     "SiteIndex",
     "arrays_to_record",
     "config_to_record",

@@ -15,12 +15,14 @@ from flwr.app import ArrayRecord, RecordDict
 
 from fedagg.errors import ProtocolError, explain
 from strategies.wire.carry import CARRY_KEY
+from strategies.wire.privacy import PRIVACY_KEY
 from strategies.wire.secagg import SECAGG_KEYS
 from strategies.wire.upload import INSTRUCTION_KEY, PREVIOUS_KEY, VOTES_KEY
 
 __all__ = ["FEDAGG_RECORDS", "model_digest", "model_key"]
 
-FEDAGG_RECORDS = (INSTRUCTION_KEY, PREVIOUS_KEY, VOTES_KEY, CARRY_KEY, *SECAGG_KEYS)
+FEDAGG_RECORDS = (INSTRUCTION_KEY, PREVIOUS_KEY, VOTES_KEY, CARRY_KEY, PRIVACY_KEY,
+                  *SECAGG_KEYS)
 """Names of fedagg's records in a train message (everything else is the user's)."""
 
 
