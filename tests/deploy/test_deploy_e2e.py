@@ -13,7 +13,8 @@ join with partition ids 0..2. Then:
   secure aggregation of TopK-compressed updates on a public support, secure block voting,
   and secure FedBuff: 2 model versions of the asynchronous loop) and the global
   model improves on the held-out test split (``metrics.json`` under ``run.output_dir``), with
-  exactly the 3 registered sites.
+  exactly the 3 registered sites;
+* 2 secure rounds with distributed differential privacy commit and report the epsilon spent.
 
 Every process this module starts is stopped by PID, with the processes they started in turn
 (Flower's SuperExec and ClientApp / ServerApp processes), also when a test fails.
@@ -402,3 +403,39 @@ def test_two_rounds_improve_the_model(federation: Federation, strategy: str, ext
     if summary_file:
         with open(summary_file, "a") as fh:
             fh.write(json.dumps(summary) + "\n")
+
+
+def test_distributed_dp_over_the_deployment_reports_epsilon(federation: Federation) -> None:
+    """Distributed DP in secure rounds over real SuperLink / SuperNodes with TLS: 2 rounds
+    commit, and every record carries the epsilon spent so far, growing, within the budget
+    (3 sites at epsilon 8 do not learn: the check is the mechanism and its accounting)."""
+    fed = federation
+    out = fed.tmp / "runs-private"
+    run_config = (f'run.rounds=2 run.sites={len(SITES)} run.output_dir="{out}" '
+                  'strategy.name="secure" privacy.mode="distributed" privacy.epsilon=8.0')
+    try:
+        res = fed.flwr("run", ".", "fedagg", "--stream", "--run-config", run_config, timeout=480)
+    except subprocess.TimeoutExpired as exc:
+        _stop_run(fed, exc.stdout)
+        raise
+    finally:
+        fed.procs.remember_descendants()
+    if res.returncode != 0:
+        _stop_run(fed, res.stdout)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    records: list[dict[str, object]] = []
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        files = sorted(out.glob("*/metrics.json"))
+        if files and (files[0].parent / "model.pt").exists():
+            records = json.loads(files[0].read_text())
+            if len(records) == 3:
+                break
+        time.sleep(1)
+    assert [r["round"] for r in records] == [0, 1, 2], (res.stdout[-4000:],
+                                                       fed.procs.log("superlink"))
+    spent = [r["privacy_epsilon"] for r in records[1:]]
+    assert all(r["model_updated"] is True and r["secagg_counted"] == len(SITES)
+               for r in records[1:]), records
+    assert 0 < spent[0] < spent[1] <= 8.0 * (1 + 1e-9), spent  # type: ignore[operator]
+
