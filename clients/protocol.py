@@ -62,6 +62,7 @@ from fedagg.update import (
     UploadPipeline,
     UploadSpec,
     decode_down,
+    encode_private,
     metric_values,
 )
 from strategies.wire import (
@@ -317,9 +318,16 @@ def answer_carry(msg: Message, context: Context, rnd: FedaggRound,
         on_stage("upload")
     values, weight = carry.take(context, rnd.carry, sum(int(a.size) for a in rnd.sent))
     state = _load(context, rnd.site, rnd.params)
-    mask = SecAggMasker(state, unpack(msg.content, RoundRequest), rng=np.random.default_rng(),
-                        binding=round_binding(rnd.digest))
-    masked = mask(np.concatenate([values, metric_values({})]), weight)  # no metrics carried
+    request = unpack(msg.content, RoundRequest)
+    binding = round_binding(rnd.digest)
+    mask = SecAggMasker(state, request, rng=np.random.default_rng(), binding=binding)
+    if rnd.privacy is not None:  # distributed DP: the carried update is clipped and noised
+        private = private_encoding(context, rnd, binding, _config_round(msg),
+                                   len(tuple(request.participants)))
+        masked = mask.mask_encoded(encode_private(values, private.encoder, seed=private.seed,
+                                                  enc=mask.encoding(1.0), rng=mask.rng))
+    else:
+        masked = mask(np.concatenate([values, metric_values({})]), weight)  # no metrics
     _save(context, state)
     return _reply(msg, masked)
 

@@ -31,7 +31,7 @@ from flwr.serverapp import Grid
 
 from fedagg.asyncagg import AsyncServerState, Job, VirtualClock, WallClock
 from fedagg.config import RunConfig
-from fedagg.errors import UpdateRejected
+from fedagg.errors import PrivacyBudgetSpent, UpdateRejected
 from server.async_carry import Carry, CarryBook
 from server.async_dispatch import (
     CohortSink,
@@ -42,6 +42,7 @@ from server.async_dispatch import (
 )
 from server.runner import client_config
 from strategies.secure import SecureAggregation
+from strategies.secure_privacy import DistributedPrivacy
 from strategies.wire import CARRY_KEY
 
 if TYPE_CHECKING:
@@ -125,6 +126,12 @@ class SecureCohorts:
         self.carry = CarryBook.from_config(cfg, concurrency=concurrency, secure=secure,
                                            staleness=state.staleness_weight)
         self.open: dict[int, CohortRun] = {}
+        self.privacy = (DistributedPrivacy(cfg.privacy, cfg.run.rounds)
+                        if secure and cfg.privacy.on else None)
+        """The run's distributed DP: one ledger for every cohort (each unmasked cohort sum is
+        one participation of its members, counted for every site)."""
+        self.stopped = ""
+        """Why no further cohort opens (the privacy budget is spent), '' while they do."""
 
     def open_next(self) -> bool:
         """Open the next cohort if ``K`` sites are free and ``K`` slots of ``C`` are (True).
@@ -136,6 +143,8 @@ class SecureCohorts:
         first (:mod:`server.async_carry`), the others are a seeded choice. A cohort with an
         evaluating member is opened only once its evaluation is back, with the same choice.
         """
+        if self.stopped:
+            return False
         busy = self.state.busy()
         free = [n for n in connected_nodes(self.grid) if n not in busy]
         k = self.cfg.asynchronous.buffer_size
@@ -156,10 +165,16 @@ class SecureCohorts:
         """Key a cohort (SecAgg+ setup over its sites) and push its masked-upload requests."""
         c = self.state.cohorts[cohort_id]
         sec, sink = cohort_strategy(self.cfg, self.recorder.run_id, c.cohort, c.attempt,
-                                    self.job_timeout)
+                                    self.job_timeout, self.privacy)
         config = config_with_round(client_config(self.cfg), c.server_round)
-        msgs = list(sec.configure_train(c.server_round, self.recorder.record(c.version), config,
-                                        NodeView(self.grid, c.members)))
+        try:
+            msgs = list(sec.configure_train(c.server_round, self.recorder.record(c.version),
+                                            config, NodeView(self.grid, c.members)))
+        except PrivacyBudgetSpent as exc:  # no cohort opens again; the open ones finish
+            self.state.close_cohort(cohort_id)
+            self.stopped = str(exc)
+            _log.warning("cohort %d not opened: %s", cohort_id, exc)
+            return
         log = sec.report
         if not msgs:
             self.state.close_cohort(cohort_id)
@@ -291,6 +306,9 @@ class SecureCohorts:
             "cohort_carried": {str(n): {"round": cr.round, "version": cr.version, "older": older}
                                for n, (cr, older) in sorted(run.carried.items())
                                if run.sec.sites.index(n) in result.counted}}
+        if self.privacy is not None and run.sec.last_private is not None:
+            tally.secagg.update({k.replace("-", "_"): v for k, v in
+                                 self.privacy.metrics(run.sec.last_private).items()})
         try:
             self.state.fold(delta, node=-1, partition=-1, job=cohort_id, version=c.version,
                             weight=weight, count=sites)

@@ -41,6 +41,7 @@ from strategies.compressed import Compressed
 from strategies.fedavg import FedAvg
 from strategies.registry import build_strategy
 from strategies.secure import SecureAggregation
+from strategies.secure_privacy import DistributedPrivacy
 from strategies.update import Update
 
 __all__ = ["CohortSink", "NodeView", "check_asynchronous", "cohort_strategy", "connected_nodes",
@@ -243,11 +244,14 @@ class CohortSink(FedAvg):
 
 
 def cohort_strategy(cfg: RunConfig, run_id: bytes, cohort: int, attempt: int,
-                    upload_timeout: float) -> tuple[SecureAggregation, CohortSink]:
+                    upload_timeout: float, privacy: DistributedPrivacy | None = None
+                    ) -> tuple[SecureAggregation, CohortSink]:
     """A fresh SecAgg+ instance for one cohort, with its own run id (fresh keys).
 
     The cohort's run id is ``SHA-256(run_id, cohort, attempt)[:16]``: bound into every key
-    the cohort derives, so no mask of one cohort can cancel in another's sum.
+    the cohort derives, so no mask of one cohort can cancel in another's sum. ``privacy``:
+    the run's distributed DP, shared by every cohort (one ledger counts every unmasked
+    cohort sum); its ring is the cohort's.
     """
     sink = CohortSink(seed=cfg.run.seed, max_update_norm=cfg.strategy.max_update_norm,
                       fraction_evaluate=0.0)
@@ -258,9 +262,12 @@ def cohort_strategy(cfg: RunConfig, run_id: bytes, cohort: int, attempt: int,
     inner: Strategy = sink if c.up == "none" else Compressed(
         sink, up=c.up, support=c.support, seed=cfg.run.seed,
         max_update_norm=cfg.strategy.max_update_norm)
-    sec = SecureAggregation(inner, secagg=cfg.secagg, run_id=tag, run_seed=cfg.run.seed,
+    secagg = cfg.secagg
+    if privacy is not None:
+        secagg = secagg.model_copy(update={"ring_bits": privacy.config.ring_bits})
+    sec = SecureAggregation(inner, secagg=secagg, run_id=tag, run_seed=cfg.run.seed,
                             max_update_norm=cfg.strategy.max_update_norm,
-                            upload_timeout=upload_timeout)
+                            upload_timeout=upload_timeout, privacy=privacy)
     return sec, sink
 
 

@@ -213,8 +213,11 @@ class AsyncRun:
 
     @property
     def done(self) -> bool:
-        """Whether the run is over: ``run.rounds`` records, or ``asynchronous.max_seconds``."""
+        """Whether the run is over: ``run.rounds`` records, ``asynchronous.max_seconds``, or
+        the privacy budget spent (no cohort opens, none is open)."""
         if len(self.recorder.records) - 1 >= self.cfg.run.rounds:
+            return True
+        if self.cohorts.stopped and not self.cohorts.open:
             return True
         limit = self.cfg.asynchronous.max_seconds
         return limit is not None and self.clock.now() >= limit
@@ -498,6 +501,8 @@ class AsyncRun:
             if not self._due():
                 self._wait()
         self.evaluation.drain()
+        if self.cohorts.stopped:  # the privacy budget: say so in the last record
+            self.recorder.records[-1]["stopped"] = self.cohorts.stopped
         self.recorder.finish()
         return self.recorder.records
 

@@ -242,6 +242,8 @@ class SecureAggregation(StrategyWrapper):
                              self.sites, self.link)
         self._round = None
         self.last_result = None  # fedagg.secagg.RoundResult of the last completed round
+        self.last_private: PrivateRound | None = None
+        """The distributed-DP parameters of the last round whose sum was unmasked."""
         self.last_support = None
         self.history_log = []
 
@@ -500,6 +502,7 @@ class SecureAggregation(StrategyWrapper):
             return None, None
         if r.private is not None and self.privacy is not None:
             self.privacy.charge(r.private)  # the sum was unmasked: seen, whatever comes next
+            self.last_private = r.private
         assert self.params is not None
         weight_cap = len(result.counted) * self.params.weight_scale
         if not (math.isfinite(result.total_weight) and 0 < result.total_weight

@@ -85,11 +85,23 @@ class RunConfig(Section):
                 f"'{self.compression.up}': the noise is calibrated for the dense update (a "
                 "sparse support, sketch or vote would need its own sensitivity); set "
                 "compression.up = 'none'")
-        if self.asynchronous.mode != "off":
+        if self.asynchronous.mode == "deadline":
             raise ValueError(
-                f"privacy.mode = '{self.privacy.mode}' with asynchronous.mode = "
-                f"'{self.asynchronous.mode}': secure FedBuff cohorts are not counted by the "
-                "privacy accountant yet; use synchronous rounds (asynchronous.mode = 'off')")
+                f"privacy.mode = '{self.privacy.mode}' with asynchronous.mode = 'deadline': "
+                "deadline rounds fold plaintext late updates; use synchronous rounds or "
+                "secure FedBuff (asynchronous.mode = 'fedbuff')")
+        quorum = self.asynchronous.cohort_quorum
+        if self.asynchronous.mode == "fedbuff" and self.privacy.dropout_fraction < 1 - quorum - 1e-9:
+            raise ValueError(
+                f"privacy.dropout_fraction = {self.privacy.dropout_fraction} is below 1 - "
+                f"asynchronous.cohort_quorum = {1 - quorum:g}: a cohort closing at its quorum "
+                "would have fewer survivors than the noise is sized for, and its sum would be "
+                f"refused; set privacy.dropout_fraction >= {1 - quorum:g}")
+        if self.asynchronous.mode != "off" and self.run.resume:
+            raise ValueError(
+                f"privacy.mode = '{self.privacy.mode}' with run.resume in asynchronous mode: "
+                "the asynchronous checkpoint does not hold the privacy ledger yet, so a resumed "
+                "run would under-count epsilon; start the run afresh")
         if self.secagg.ring_bits is not None and self.secagg.ring_bits != self.privacy.ring_bits:
             raise ValueError(
                 f"secagg.ring_bits = {self.secagg.ring_bits} differs from privacy.ring_bits = "

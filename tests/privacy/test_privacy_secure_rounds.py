@@ -226,7 +226,7 @@ def test_a_site_refuses_a_budget_above_its_own_ceiling() -> None:
 @pytest.mark.parametrize(("overrides", "named"), [
     (["strategy.name=fedavg"], "needs secure aggregation"),
     (["compression.up=topk:0.1", "compression.support=random"], "compression.up"),
-    (["asynchronous.mode=fedbuff"], "asynchronous.mode"),
+    (["asynchronous.mode=deadline"], "deadline"),
     (["secagg.ring_bits=24"], "secagg.ring_bits"),
 ])
 def test_combinations_the_privacy_analysis_does_not_cover_are_refused(
