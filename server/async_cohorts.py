@@ -119,17 +119,17 @@ class SecureCohorts:
     def __init__(self, cfg: RunConfig, *, grid: Grid, state: AsyncServerState,
                  clock: VirtualClock | WallClock, concurrency: int, job_timeout: float,
                  secure: bool, recorder: RunRecorder, evaluation: AsyncEvaluation,
-                 loop: CohortLoop) -> None:
+                 loop: CohortLoop, privacy: DistributedPrivacy | None = None) -> None:
         self.cfg, self.grid, self.state, self.clock = cfg, grid, state, clock
         self.concurrency, self.job_timeout = concurrency, job_timeout
         self.recorder, self.evaluation, self.loop = recorder, evaluation, loop
         self.carry = CarryBook.from_config(cfg, concurrency=concurrency, secure=secure,
                                            staleness=state.staleness_weight)
         self.open: dict[int, CohortRun] = {}
-        self.privacy = (DistributedPrivacy(cfg.privacy, cfg.run.rounds)
-                        if secure and cfg.privacy.on else None)
+        self.privacy = privacy
         """The run's distributed DP: one ledger for every cohort (each unmasked cohort sum is
-        one participation of its members, counted for every site)."""
+        one participation of its members, counted for every site; checkpointed by the
+        recorder)."""
         self.stopped = ""
         """Why no further cohort opens (the privacy budget is spent), '' while they do."""
 

@@ -40,6 +40,7 @@ from fedagg.config import RunConfig
 from fedagg.data import load_dataset
 from fedagg.errors import CheckpointError, RunFailed, explain
 from fedagg.models import set_weights
+from fedagg.privacy import PrivacyLedger
 from fedagg.report import atomic_write_bytes, write_metrics, write_plot
 from fedagg.training import evaluate
 from server.async_dispatch import connected_nodes
@@ -52,6 +53,7 @@ from server.runner import (
     model_digest,
     wait_for_sites,
 )
+from strategies.secure_privacy import DistributedPrivacy
 from strategies.wire import arrays_to_record, record_to_arrays
 
 __all__ = ["RunRecorder", "Tally"]
@@ -116,8 +118,11 @@ class RunRecorder:
     def __init__(self, cfg: RunConfig, *, grid: Grid, state: AsyncServerState,
                  clock: VirtualClock | WallClock, model: Any, keys: list[str],
                  out: Path | None, mode: str, secure: bool, on_round: RoundCallback | None,
-                 evaluate_fn: EvaluateFn | None, model_fn: ModelFn | None) -> None:
+                 evaluate_fn: EvaluateFn | None, model_fn: ModelFn | None,
+                 privacy: DistributedPrivacy | None = None) -> None:
         self.cfg, self.grid, self.state, self.clock = cfg, grid, state, clock
+        self.privacy = privacy
+        """The run's distributed DP, whose ledger the checkpoint keeps (None: no DP)."""
         self.model, self.keys, self.out = model, keys, out
         self.mode, self.secure, self.on_round = mode, secure, on_round
         self.run_id = os.urandom(16)
@@ -184,7 +189,9 @@ class RunRecorder:
         save_checkpoint(self.out, round=len(self.records) - 1, cfg=self.cfg, keys=self.keys,
                         arrays=self.state.model, records=self.records,
                         strategy_state={"asynchronous": self.state.state_dict(),
-                                        "run_id": self.run_id})
+                                        "run_id": self.run_id,
+                                        **({"privacy": self.privacy.state_dict()}
+                                           if self.privacy is not None else {})})
 
     def emit(self, rec: dict[str, Any]) -> None:
         """Append ``rec``, write ``metrics.json`` and call the round callback."""
@@ -265,6 +272,7 @@ class RunRecorder:
         s = self.cfg.strategy
         checked = check_async_state(ckpt, self.state, mode=self.mode, secure=self.secure,
                                     max_weight=s.max_weight, max_update_norm=s.max_update_norm)
+        ledger = self._checked_ledger(state, path)
         try:
             self.state.load_state_dict(checked)
         except Exception as exc:  # a rule the checks above do not know yet: refused all the same
@@ -274,7 +282,30 @@ class RunRecorder:
                                           "new run")) from None
         self.run_id = bytes(state["run_id"])
         self.records = list(ckpt.records)
+        if self.privacy is not None and ledger is not None:
+            self.privacy.ledger = ledger
         return ckpt
+
+    def _checked_ledger(self, state: dict[str, Any], path: Path) -> PrivacyLedger | None:
+        """The checkpoint's privacy ledger, every field checked (None without DP).
+
+        Raises
+        ------
+        CheckpointError
+            A private run's checkpoint without a ledger, or a malformed one (named).
+        """
+        if self.privacy is None:
+            return None
+        if "privacy" not in state:
+            raise CheckpointError(explain(
+                f"{path}[meta.strategy_state.privacy]", None,
+                "a run with privacy.mode = 'distributed' must resume with its privacy ledger "
+                "(the epsilon it has spent)", "resume it with the configuration it ran with, "
+                "or start a new run"))
+        try:
+            return PrivacyLedger.from_state(state["privacy"])
+        except CheckpointError as exc:
+            raise CheckpointError(f"{path}[meta.strategy_state.privacy]: {exc}") from None
 
     def forget_absent(self) -> dict[str, str]:
         """Resume: take out of flight what was sent to nodes that are not connected now.

@@ -98,6 +98,7 @@ from strategies.base import filter_replies
 from strategies.compressed import Compressed
 from strategies.fedavg import FedAvg
 from strategies.secure import SecureAggregation
+from strategies.secure_privacy import DistributedPrivacy
 from strategies.update import partition_of
 from strategies.wire import message_nbytes, record_to_arrays
 
@@ -160,17 +161,19 @@ class AsyncRun:
         self.job_timeout = float(cfg.run.round_timeout)
         self.flights: dict[str, _Flight] = {}
         self.arrivals = 0
+        privacy = (DistributedPrivacy(cfg.privacy, cfg.run.rounds)
+                   if self.secure and cfg.privacy.on else None)
         self.recorder = RunRecorder(
             cfg, grid=grid, state=self.state, clock=self.clock, model=model, keys=keys,
             out=Path(run_dir) if run_dir else None, mode=self.mode, secure=self.secure,
-            on_round=on_round, evaluate_fn=evaluate_fn, model_fn=model_fn)
+            on_round=on_round, evaluate_fn=evaluate_fn, model_fn=model_fn, privacy=privacy)
         self.evaluation = AsyncEvaluation(
             cfg, grid=grid, state=self.state, clock=self.clock, job_timeout=self.job_timeout,
             recorder=self.recorder, loop=self)
         self.cohorts = SecureCohorts(
             cfg, grid=grid, state=self.state, clock=self.clock, concurrency=self.concurrency,
             job_timeout=self.job_timeout, secure=self.secure, recorder=self.recorder,
-            evaluation=self.evaluation, loop=self)
+            evaluation=self.evaluation, loop=self, privacy=privacy)
 
     # -- buffers ------------------------------------------------------------------------------------
     def _take(self) -> dict[str, Any]:

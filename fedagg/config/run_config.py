@@ -97,11 +97,6 @@ class RunConfig(Section):
                 f"asynchronous.cohort_quorum = {1 - quorum:g}: a cohort closing at its quorum "
                 "would have fewer survivors than the noise is sized for, and its sum would be "
                 f"refused; set privacy.dropout_fraction >= {1 - quorum:g}")
-        if self.asynchronous.mode != "off" and self.run.resume:
-            raise ValueError(
-                f"privacy.mode = '{self.privacy.mode}' with run.resume in asynchronous mode: "
-                "the asynchronous checkpoint does not hold the privacy ledger yet, so a resumed "
-                "run would under-count epsilon; start the run afresh")
         if self.secagg.ring_bits is not None and self.secagg.ring_bits != self.privacy.ring_bits:
             raise ValueError(
                 f"secagg.ring_bits = {self.secagg.ring_bits} differs from privacy.ring_bits = "

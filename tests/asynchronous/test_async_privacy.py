@@ -7,12 +7,15 @@ ClientApp of these tests (_async_helpers.fake_app) behind the real fedagg_mod.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from _async_helpers import config, run
 
 from fedagg.asyncagg import SpeedModel
-from fedagg.errors import ConfigError
+from fedagg.errors import CheckpointError, ConfigError
 from fedagg.privacy import PrivacyLedger, ddg_round_charge, min_survivors, round_params
+from server.checkpoint import load_checkpoint, save_checkpoint
 
 PRIVATE = ["strategy.name='secure'", "asynchronous.mode='fedbuff'", "secagg.weight_scale=100",
            "privacy.mode='distributed'", "privacy.epsilon=8", "privacy.clip=10"]
@@ -73,10 +76,35 @@ def test_the_budget_stops_the_asynchronous_run() -> None:
     assert "would take the epsilon spent" in recs[-1]["stopped"]
 
 
-def test_deadline_rounds_and_asynchronous_resume_are_refused_with_the_reason() -> None:
+def test_a_resumed_run_goes_on_counting_from_the_checkpoints_ledger(tmp_path: Path) -> None:
+    """2 versions at epsilon 8 spend the budget; resumed with run.rounds = 4 (smaller charges
+    per version), the checkpoint's ledger still holds the 8 spent, so no further cohort opens
+    (a fresh ledger would have run versions 3 and 4); a checkpoint whose ledger was removed
+    is refused, naming the field."""
+    speed = SpeedModel(seed=8, job_seconds=10.0, sigma=0.1, latency=0.2)
+    common = [*PRIVATE, "asynchronous.buffer_size=3", "asynchronous.concurrency=3",
+              "run.checkpoint=true"]
+    first, _, _ = run(config(3, "run.rounds=2", *common), speed, run_dir=tmp_path)
+    assert [r["version"] for r in first] == [0, 1, 2]
+    spent = first[-1]["privacy_epsilon"]
+    assert 7.0 < spent <= 8.0 * (1 + 1e-9)
+    recs, _, _ = run(config(3, "run.rounds=4", *common, f"run.resume='{tmp_path}'"), speed,
+                     run_dir=tmp_path)
+    assert [r["version"] for r in recs] == [0, 1, 2]
+    assert "would take the epsilon spent from " + f"{spent:.4g}" in recs[-1]["stopped"]
+
+    ck = load_checkpoint(tmp_path)  # rewritten without its ledger, with a valid digest
+    state = dict(ck.strategy_state or {})
+    del state["privacy"]
+    save_checkpoint(tmp_path, round=ck.round, cfg=config(3, "run.rounds=4", *common),
+                    keys=ck.keys, arrays=ck.arrays, records=ck.records, strategy_state=state)
+    with pytest.raises(CheckpointError, match=r"strategy_state\.privacy"):
+        run(config(3, "run.rounds=6", *common, f"run.resume='{tmp_path}'"), speed,
+            run_dir=tmp_path)
+
+
+def test_deadline_rounds_and_a_short_dropout_budget_are_refused_with_the_reason() -> None:
     with pytest.raises(ConfigError, match="cohort_quorum"):
         config(4, *PRIVATE, "asynchronous.cohort_quorum=0.5")
     with pytest.raises(ConfigError, match="deadline"):
         config(3, *PRIVATE[:-4], "asynchronous.mode='deadline'", *PRIVATE[3:])
-    with pytest.raises(ConfigError, match="privacy ledger"):
-        config(3, *PRIVATE, "run.resume='runs/x'")

@@ -233,3 +233,18 @@ def test_combinations_the_privacy_analysis_does_not_cover_are_refused(
         overrides: list[str], named: str) -> None:
     with pytest.raises(ConfigError, match=named):
         load_config(None, [*BASE, *overrides])
+
+
+def test_a_resumed_synchronous_run_goes_on_counting_from_its_checkpoint(tmp_path: Path) -> None:
+    """2 rounds at epsilon 8 spend the budget; resumed with run.rounds = 3 (smaller charges per
+    round), the strategy's checkpointed ledger still holds what was spent: round 3 does not
+    run (a fresh ledger would have let it)."""
+    cfg = _cfg("run.rounds=2", "run.checkpoint=true")
+    first = run_server(InProcessGrid(app, 5), cfg, tmp_path)
+    spent = first[-1]["privacy_epsilon"]
+    assert 7.0 < spent <= 8.0 * (1 + 1e-9)
+    again = run_server(InProcessGrid(app, 5),
+                       _cfg("run.rounds=3", "run.checkpoint=true", f"run.resume='{tmp_path}'"),
+                       tmp_path)
+    assert [r["round"] for r in again] == [0, 1, 2]
+    assert "round 3 would take the epsilon spent from " + f"{spent:.4g}" in again[-1]["stopped"]
