@@ -525,10 +525,13 @@ def test_fuzzed_async_fields_never_a_traceback(
                 old = node[path[-1]]
             except (KeyError, IndexError, TypeError):
                 continue  # an earlier edit replaced a parent
-            if value == "delete":
-                del node[path[-1]]
-            else:
-                node[path[-1]] = _value(value, old)
+            try:
+                if value == "delete":
+                    del node[path[-1]]
+                else:
+                    node[path[-1]] = _value(value, old)
+            except TypeError:
+                continue  # an earlier edit made a parent immutable (a string, a number)
 
     _rewrite(d, edit)
     try:
