@@ -643,7 +643,9 @@ def check_async_state(ckpt: Checkpoint, fresh: Any, *, mode: str, secure: bool,
             if cid not in cohorts or node not in cohorts[cid]["members"]:
                 raise rd.fail(f"{name}.cohort", cid, "must be -1 or an open cohort of the node")
         jobs[jid] = j
-    evaluations = st.get("evaluations") or []
+    evaluations = st.get("evaluations")
+    if evaluations is None:  # a state from before evaluations were checkpointed
+        evaluations = []
     seen: set[int] = set()
     for i, e in enumerate(_list(rd, f"{_A}.evaluations", evaluations)):
         name = f"{_A}.evaluations[{i}]"
