@@ -353,15 +353,9 @@ def _stop_run(fed: Federation, stdout: str | bytes | None) -> None:
         fed.flwr("stop", match.group(1), "fedagg", timeout=60)
 
 
-@pytest.mark.parametrize(("strategy", "extra"), STRATEGIES)
-def test_two_rounds_improve_the_model(federation: Federation, strategy: str, extra: str) -> None:
-    fed = federation
-    for site, node in fed.nodes.items():
-        assert node.poll() is None, f"{site} exited:\n" + fed.procs.log(site)
-    out = fed.tmp / f"runs-{strategy}-{zlib.crc32(extra.encode()):08x}"  # one dir per param
-    run_config = (f'run.rounds=2 run.sites={len(SITES)} run.output_dir="{out}" '
-                  f'strategy.name="{strategy}" {extra}').strip()
-    t0 = time.perf_counter()
+def _run_two_rounds(fed: Federation, out: Path, run_config: str) -> list[dict[str, object]]:
+    """``flwr run`` of a 2-round run into ``out`` (stopped by PID on failure); its records
+    once metrics.json holds rounds 0-2 and the model is written."""
     try:
         res = fed.flwr("run", ".", "fedagg", "--stream", "--run-config", run_config, timeout=480)
     except subprocess.TimeoutExpired as exc:
@@ -372,7 +366,6 @@ def test_two_rounds_improve_the_model(federation: Federation, strategy: str, ext
     if res.returncode != 0:
         _stop_run(fed, res.stdout)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
-    files: list[Path] = []
     records: list[dict[str, object]] = []
     deadline = time.time() + 60
     while time.time() < deadline:
@@ -382,7 +375,21 @@ def test_two_rounds_improve_the_model(federation: Federation, strategy: str, ext
             if len(records) == 3:
                 break
         time.sleep(1)
-    assert len(records) == 3, (res.stdout[-4000:], fed.procs.log("superlink"))
+    assert [r["round"] for r in records] == [0, 1, 2], (res.stdout[-4000:],
+                                                       fed.procs.log("superlink"))
+    return records
+
+
+@pytest.mark.parametrize(("strategy", "extra"), STRATEGIES)
+def test_two_rounds_improve_the_model(federation: Federation, strategy: str, extra: str) -> None:
+    fed = federation
+    for site, node in fed.nodes.items():
+        assert node.poll() is None, f"{site} exited:\n" + fed.procs.log(site)
+    out = fed.tmp / f"runs-{strategy}-{zlib.crc32(extra.encode()):08x}"  # one dir per param
+    run_config = (f'run.rounds=2 run.sites={len(SITES)} run.output_dir="{out}" '
+                  f'strategy.name="{strategy}" {extra}').strip()
+    t0 = time.perf_counter()
+    records = _run_two_rounds(fed, out, run_config)
     wall = time.perf_counter() - t0
     assert [r["round"] for r in records] == [0, 1, 2]
     for r in records[1:]:
@@ -413,27 +420,7 @@ def test_distributed_dp_over_the_deployment_reports_epsilon(federation: Federati
     out = fed.tmp / "runs-private"
     run_config = (f'run.rounds=2 run.sites={len(SITES)} run.output_dir="{out}" '
                   'strategy.name="secure" privacy.mode="distributed" privacy.epsilon=8.0')
-    try:
-        res = fed.flwr("run", ".", "fedagg", "--stream", "--run-config", run_config, timeout=480)
-    except subprocess.TimeoutExpired as exc:
-        _stop_run(fed, exc.stdout)
-        raise
-    finally:
-        fed.procs.remember_descendants()
-    if res.returncode != 0:
-        _stop_run(fed, res.stdout)
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
-    records: list[dict[str, object]] = []
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        files = sorted(out.glob("*/metrics.json"))
-        if files and (files[0].parent / "model.pt").exists():
-            records = json.loads(files[0].read_text())
-            if len(records) == 3:
-                break
-        time.sleep(1)
-    assert [r["round"] for r in records] == [0, 1, 2], (res.stdout[-4000:],
-                                                       fed.procs.log("superlink"))
+    records = _run_two_rounds(fed, out, run_config)
     spent = [r["privacy_epsilon"] for r in records[1:]]
     assert all(r["model_updated"] is True and r["secagg_counted"] == len(SITES)
                for r in records[1:]), records
